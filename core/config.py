@@ -1,0 +1,158 @@
+"""The recipe schema: one typed section per component, validated at the door.
+
+Every model forbids unknown keys, so a typo fails before any process starts. Values that
+are derived from others are computed by the component that needs them, never written back
+into the recipe.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CampaignConfig(Section):
+    name: str = Field("campaign", description="Human-readable campaign name.")
+    num_blocks: int = Field(3, ge=1, description="Blocks (DAG runs) in the campaign.")
+    steps_per_block: int = Field(10, ge=1, description="RL steps per block.")
+
+
+class TinyModelConfig(Section):
+    """The project's own small model, built and warm-started when `model.path` is builtin."""
+
+    hidden_size: int = Field(128, ge=16)
+    num_layers: int = Field(2, ge=1)
+    num_heads: int = Field(4, ge=1)
+    num_kv_heads: int = Field(2, ge=1)
+    intermediate_size: int = Field(256, ge=16)
+    warmstart_steps: int = Field(300, ge=0, description="Supervised steps on the task before RL.")
+    warmstart_batch_size: int = Field(64, ge=1)
+    warmstart_lr: float = Field(3e-3, gt=0)
+
+
+class ModelConfig(Section):
+    path: str = Field(
+        "builtin:tiny-arith",
+        description="An HF checkpoint folder/URL, or `builtin:tiny-arith` for the project's own model.",
+    )
+    tiny: TinyModelConfig = TinyModelConfig()
+
+
+class DataConfig(Section):
+    train_path: str = Field(
+        "builtin:tiny-arith/train", description="JSONL or Parquet prompts (fsspec URL or path)."
+    )
+    eval_path: str = Field("builtin:tiny-arith/eval", description="Held-out JSONL or Parquet prompts.")
+    prompt_key: str = "prompt"
+    label_key: str = "label"
+    shuffle: bool = True
+    num_train_rows: int = Field(20000, ge=1, description="Rows generated for builtin datasets.")
+    num_eval_rows: int = Field(200, ge=1, description="Rows generated for builtin eval sets.")
+
+
+class RolloutConfig(Section):
+    function: str = Field("default", description="Registered rollout function or import path.")
+    num_engines: int = Field(1, ge=1)
+    num_samples_per_prompt: int = Field(8, ge=1)
+    prompts_per_step: int = Field(32, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, description="-1 disables top-k.")
+    max_new_tokens: int = Field(8, ge=1)
+    max_batch_size: int = Field(512, ge=1, description="Most sequences an engine decodes at once.")
+    request_timeout_s: float = Field(300.0, gt=0)
+    engine_startup_timeout_s: float = Field(180.0, gt=0)
+    router_policy: Literal["round_robin", "cache_aware", "power_of_two"] = "round_robin"
+
+
+class RewardConfig(Section):
+    function: str = Field(
+        "tiny-arith", description="Registered reward name or `module:function` / `file.py:function`."
+    )
+    num_workers: int = Field(2, ge=1, description="Threads that evaluate rewards concurrently.")
+
+
+class FilterConfig(Section):
+    drop_zero_variance_groups: bool = True
+    max_response_tokens: int | None = Field(None, ge=1)
+    min_response_tokens: int | None = Field(None, ge=0)
+
+
+class AlgoConfig(Section):
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
+    loss: Literal["ppo", "gspo"] = "ppo"
+    clip_low: float = Field(0.2, ge=0.0)
+    clip_high: float = Field(0.28, ge=0.0, description="Clip-higher (DAPO) upper bound.")
+    dual_clip_c: float | None = Field(3.0, gt=1.0, description="Dual-clip bound for A<0; null disables.")
+    kl_coef: float = Field(0.0, ge=0.0, description="KL penalty to the reference model.")
+    kl_type: Literal["k1", "k2", "k3"] = "k3"
+    entropy_coef: float = Field(0.0, ge=0.0)
+    tis_cap: float | None = Field(2.0, gt=0.0, description="Truncated importance sampling cap; null disables.")
+
+
+class TrainConfig(Section):
+    backend: Literal["torch"] = "torch"
+    num_ranks: int = Field(2, ge=1)
+    parallel: Literal["ddp"] = "ddp"
+    lr: float = Field(1e-3, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    micro_batch_size: int = Field(64, ge=1)
+    grad_clip: float = Field(1.0, gt=0.0)
+    num_threads_per_rank: int = Field(1, ge=1)
+
+
+class SyncConfig(Section):
+    transport: Literal["disk"] = "disk"
+    timeout_s: float = Field(120.0, gt=0)
+
+
+class CheckpointConfig(Section):
+    every_steps: int = Field(5, ge=1)
+    keep_last: int = Field(3, ge=1)
+
+
+class LoopConfig(Section):
+    max_staleness: int = Field(0, ge=0, description="0: synchronous on-policy. k>0: async (not yet).")
+
+
+class EvalConfig(Section):
+    num_prompts: int = Field(200, ge=1)
+    max_new_tokens: int = Field(8, ge=1)
+
+
+class Recipe(Section):
+    seed: int = 1
+    campaign: CampaignConfig = CampaignConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    reward: RewardConfig = RewardConfig()
+    filters: FilterConfig = FilterConfig()
+    algo: AlgoConfig = AlgoConfig()
+    train: TrainConfig = TrainConfig()
+    sync: SyncConfig = SyncConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    loop: LoopConfig = LoopConfig()
+    eval: EvalConfig = EvalConfig()
+
+    @model_validator(mode="after")
+    def _check_cross_field(self) -> "Recipe":
+        if self.algo.advantage in ("grpo", "dr_grpo", "rloo") and self.rollout.num_samples_per_prompt < 2:
+            raise ValueError(
+                f"rollout.num_samples_per_prompt must be >= 2 for advantage `{self.algo.advantage}` "
+                f"(group baselines need several samples); got {self.rollout.num_samples_per_prompt}"
+            )
+        if self.loop.max_staleness > 0:
+            raise ValueError(
+                f"loop.max_staleness={self.loop.max_staleness}: asynchronous training is not available "
+                "yet; set loop.max_staleness=0"
+            )
+        return self
