@@ -1,0 +1,213 @@
+"""Batched generation with a KV cache on a HF causal LM (CPU, fp32).
+
+Rows are left-padded and carry explicit position_ids (cumsum(mask) - 1), so a padded row
+computes what the same prompt would alone. Finished rows are dropped from the batch and
+the KV cache after every step, so a long tail costs only its own rows.
+
+Logprob convention (docs/CONTRACTS.md): the logprob of a token is log_softmax(logits / T)
+at that token (raw logits when T == 0), taken BEFORE top-k / top-p / min-p truncation and
+before the min_new_tokens stop mask, because the trainer recomputes exactly that.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from transformers import DynamicCache
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_new_tokens: int = 0
+    sampling_seed: int | None = None
+
+
+@dataclass
+class Sequence:
+    """One sample to generate. The scheduler owns it; only `abort_message` may be set
+    from another thread (read once per step by the generation loop)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    rid: str = ""
+    seed: int = 0
+    logprob_start_len: int = -1
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    input_logprobs: list[float | None] = field(default_factory=list)
+    finish_reason: dict[str, Any] | None = None
+    abort_message: str | None = None
+    on_done: Callable[["Sequence"], None] | None = None
+
+    def reset(self) -> None:
+        """Forget partial output (retract): it is recomputed from the same seed."""
+        self.output_ids, self.output_logprobs, self.input_logprobs = [], [], []
+        self.finish_reason = None
+
+
+def make_sequences(prompt_ids: list[int], params: SamplingParams, n: int, rid: str = "",
+                   logprob_start_len: int = -1) -> list[Sequence]:
+    """n samples of one prompt; sample j of sampling_seed s uses seed s + j."""
+    base = params.sampling_seed if params.sampling_seed is not None else random.getrandbits(62)
+    return [Sequence(list(prompt_ids), params, rid, base + j, logprob_start_len) for j in range(n)]
+
+
+def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+def _scaled_logprobs(logits: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits / T) per row, raw logits where T == 0."""
+    t = torch.where(temps > 0, temps, torch.ones_like(temps)).unsqueeze(-1)
+    return torch.log_softmax(logits.float() / t, dim=-1)
+
+
+def _truncate(logprobs: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Apply top-k, top-p and min-p to one row of logprobs; returns masked logprobs."""
+    lp = logprobs.clone()
+    if 0 < p.top_k < lp.numel():
+        kth = torch.topk(lp, p.top_k).values[-1]
+        lp[lp < kth] = float("-inf")
+    if p.top_p < 1.0:
+        sorted_lp, order = torch.sort(lp, descending=True)
+        cum = torch.cumsum(sorted_lp.exp(), dim=0)
+        drop = (cum - sorted_lp.exp()) > p.top_p  # keep the token that crosses top_p
+        lp[order[drop]] = float("-inf")
+    if p.min_p > 0.0:
+        lp[lp < lp.max() + torch.log(torch.tensor(p.min_p))] = float("-inf")
+    return lp
+
+
+class Generator:
+    """Runs batches of `Sequence`s to completion on one model.
+
+    Concurrency: `run_batch` is called from one thread (the scheduler). `model_lock`, if
+    given, is held around each forward pass only, so a weight update can take it between
+    steps and never lands mid-forward. `step_hook` is called before every step without the
+    lock held; it may block (in-place pause) and returns True to retract the batch.
+    """
+
+    def __init__(self, model: torch.nn.Module, eos_token_ids: list[int], pad_token_id: int = 0,
+                 decode: Callable[[list[int]], str] | None = None) -> None:
+        self.model = model
+        self.eos_token_ids = set(eos_token_ids)
+        self.pad_token_id = pad_token_id
+        self.decode = decode  # needed only for stop strings
+
+    def _forward(self, ids, mask, pos, cache, all_logits: bool, lock) -> torch.Tensor:
+        with lock or nullcontext(), torch.inference_mode():
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                             past_key_values=cache, use_cache=True,
+                             logits_to_keep=0 if all_logits else 1)
+        return out.logits
+
+    def run_batch(self, seqs: list[Sequence], model_lock: threading.Lock | None = None,
+                  step_hook: Callable[[], bool] | None = None) -> bool:
+        """Generate for every sequence; returns False if retracted (outputs reset)."""
+        for s in seqs:
+            s.reset()
+        gens = [torch.Generator().manual_seed(s.seed) for s in seqs]
+        ids, mask = _left_pad([s.prompt_ids for s in seqs], self.pad_token_id)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        need_input = any(s.logprob_start_len >= 0 for s in seqs)
+        if step_hook is not None and step_hook():
+            return False
+        logits = self._forward(ids, mask, pos, cache, need_input, model_lock)
+        if need_input:
+            self._score_prompts(seqs, logits, mask)
+        live = list(range(len(seqs)))
+        last = logits[:, -1]
+        while True:
+            tokens = self._sample_step(seqs, gens, live, last)
+            keep = [k for k, i in enumerate(live) if not self._advance(seqs[i], tokens[k])]
+            if not keep:
+                return True
+            if step_hook is not None and step_hook():
+                for s in seqs:
+                    s.reset()
+                return False
+            if len(keep) < len(live):
+                idx = torch.tensor(keep)
+                cache.batch_select_indices(idx)
+                mask, pos, tokens = mask[idx], pos[idx], tokens[idx]
+                live = [live[k] for k in keep]
+            mask = torch.cat([mask, torch.ones((len(live), 1), dtype=mask.dtype)], dim=1)
+            pos = pos[:, -1:] + 1
+            last = self._forward(tokens.unsqueeze(-1), mask, pos, cache, False, model_lock)[:, -1]
+
+    def _score_prompts(self, seqs: list[Sequence], logits: torch.Tensor, mask: torch.Tensor) -> None:
+        width = mask.shape[1]
+        for i, s in enumerate(seqs):
+            if s.logprob_start_len < 0:
+                continue
+            off = width - len(s.prompt_ids)
+            t = torch.tensor([s.params.temperature])
+            lp = _scaled_logprobs(logits[i, off:], t.expand(len(s.prompt_ids)))
+            for j in range(s.logprob_start_len, len(s.prompt_ids)):
+                s.input_logprobs.append(None if j == 0 else lp[j - 1, s.prompt_ids[j]].item())
+
+    def _sample_step(self, seqs, gens, live, last: torch.Tensor) -> torch.Tensor:
+        """Pick one token per live row; records its (untruncated) logprob."""
+        temps = torch.tensor([seqs[i].params.temperature for i in live], dtype=torch.float32)
+        lp = _scaled_logprobs(last, temps)
+        masked = lp
+        blocked = [k for k, i in enumerate(live) if len(seqs[i].output_ids) < seqs[i].params.min_new_tokens]
+        if blocked:  # min_new_tokens: stop tokens may not be sampled yet
+            masked = lp.clone()
+            for k in blocked:
+                masked[k, list(self._stop_ids(seqs[live[k]].params))] = float("-inf")
+        tokens = masked.argmax(-1)
+        for k, i in enumerate(live):
+            p = seqs[i].params
+            if p.temperature > 0:
+                row = _truncate(masked[k], p)
+                tokens[k] = torch.multinomial(row.exp(), 1, generator=gens[i])[0]
+            seqs[i].output_logprobs.append(lp[k, tokens[k]].item())
+        return tokens
+
+    def _stop_ids(self, p: SamplingParams) -> set[int]:
+        return set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+
+    def _advance(self, s: Sequence, token: torch.Tensor) -> bool:
+        """Append a token; returns True when the sequence is finished."""
+        tok = int(token)
+        s.output_ids.append(tok)
+        p = s.params
+        if s.abort_message is not None:
+            s.finish_reason = {"type": "abort", "message": s.abort_message}
+        elif len(s.output_ids) > p.min_new_tokens - 1 and tok in self._stop_ids(p) \
+                and len(s.output_ids) >= max(p.min_new_tokens, 1):
+            s.finish_reason = {"type": "stop", "matched": tok}
+        elif p.stop and self.decode is not None and self._matched_str(s) is not None:
+            s.finish_reason = {"type": "stop", "matched": self._matched_str(s)}
+        elif len(s.output_ids) >= p.max_new_tokens:
+            s.finish_reason = {"type": "length", "length": p.max_new_tokens}
+        return s.finish_reason is not None
+
+    def _matched_str(self, s: Sequence) -> str | None:
+        tail = self.decode(s.output_ids[-16:])
+        return next((x for x in s.params.stop if tail.endswith(x)), None)
+
+    def finish_without_decoding(self, s: Sequence) -> None:
+        """max_new_tokens == 0: prefill scoring only."""
+        s.finish_reason = {"type": "length", "length": 0}
