@@ -1,0 +1,48 @@
+"""`milepost status`: what a campaign has done, read from its store only."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from milepost.core.checkpoint import CheckpointManager
+from milepost.core.store import CampaignStore
+
+STAGES = ("launch_ray", "rollout", "train", "sync", "evaluate", "teardown")
+
+
+def campaign_status(url: str) -> dict[str, Any]:
+    store = CampaignStore(url)
+    if not store.exists("campaign.yaml"):
+        raise ValueError(f"{url} is not a campaign (no campaign.yaml); pass the folder given to "
+                         "`milepost run --campaign`")
+    blocks = []
+    for index in store.block_indices():
+        records = {s: store.stage_record(index, s) for s in STAGES}
+        done = [s for s, r in records.items() if r and r.get("state") == "done"]
+        state = "done" if records.get("evaluate") and "evaluate" in done else (
+            "running" if done else "pending")
+        evaluation = (records.get("evaluate") or {}).get("eval", {})
+        blocks.append({"index": index, "state": state, "stages_done": done, "eval": evaluation})
+    latest = CheckpointManager(store.local_path("checkpoints")).latest_valid()
+    latest_doc = None
+    if latest:
+        latest_doc = {"step": latest.step, "policy_version": latest.state["policy_version"],
+                      "model_sha256": latest.state["model_sha256"]}
+    base = store.read_json("base_eval.json") if store.exists("base_eval.json") else None
+    return {"campaign": url, "blocks": blocks, "steps_done": latest.step if latest else 0,
+            "latest_checkpoint": latest_doc, "base_eval": base}
+
+
+def format_status(status: dict[str, Any]) -> str:
+    lines = [f"campaign {status['campaign']}: {status['steps_done']} steps done"]
+    if status.get("base_eval"):
+        lines.append(f"  base policy accuracy: {status['base_eval'].get('accuracy', float('nan')):.3f}")
+    for b in status["blocks"]:
+        acc = b["eval"].get("accuracy")
+        shown = f"accuracy {acc:.3f}" if acc is not None else "no eval yet"
+        lines.append(f"  block {b['index']}: {b['state']:8s} {shown}")
+    ck = status["latest_checkpoint"]
+    if ck:
+        lines.append(f"  latest checkpoint: step {ck['step']}, policy v{ck['policy_version']}, "
+                     f"sha256 {ck['model_sha256'][:12]}…")
+    return "\n".join(lines)
