@@ -1,0 +1,59 @@
+import pytest
+
+from milepost.core.recipe_io import RecipeError, load_recipe, recipe_diff, dump_recipe
+from milepost.core.store import CampaignStore
+
+
+def _write(tmp_path, text):
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_the_shipped_tiny_arith_recipe_is_valid():
+    recipe = load_recipe("recipes/tiny-arith.yaml")
+    assert recipe.loop.max_staleness == 0
+    assert recipe.rollout.num_samples_per_prompt >= 2
+
+
+def test_typo_key_names_the_key(tmp_path):
+    with pytest.raises(RecipeError, match="unknown key `train.lrr`"):
+        load_recipe(_write(tmp_path, "train:\n  lrr: 0.1\n"))
+
+
+def test_wrong_type_names_the_key_and_value(tmp_path):
+    with pytest.raises(RecipeError, match=r"`campaign.num_blocks`.*'many'"):
+        load_recipe(_write(tmp_path, "campaign:\n  num_blocks: many\n"))
+
+
+def test_overrides_are_typed(tmp_path):
+    recipe = load_recipe(_write(tmp_path, "seed: 3\n"),
+                         ["train.lr=1e-4", "campaign.num_blocks=2", "filters.drop_zero_variance_groups=false"])
+    assert recipe.train.lr == pytest.approx(1e-4)
+    assert recipe.campaign.num_blocks == 2
+    assert recipe.filters.drop_zero_variance_groups is False
+
+
+def test_override_without_equals_sign_says_how(tmp_path):
+    with pytest.raises(RecipeError, match="expected dotted.key=value"):
+        load_recipe(_write(tmp_path, "seed: 3\n"), ["train.lr"])
+
+
+def test_grpo_with_one_sample_per_prompt_is_refused(tmp_path):
+    with pytest.raises(RecipeError, match="num_samples_per_prompt must be >= 2"):
+        load_recipe(_write(tmp_path, "rollout:\n  num_samples_per_prompt: 1\n"))
+
+
+def test_recipe_diff_shows_the_changed_value(tmp_path):
+    a = dump_recipe(load_recipe(_write(tmp_path, "seed: 1\n")))
+    b = dump_recipe(load_recipe(_write(tmp_path, "seed: 2\n")))
+    diff = recipe_diff(a, b)
+    assert "-seed: 1" in diff and "+seed: 2" in diff
+
+
+def test_store_writes_json_atomically_and_reads_it_back(tmp_path):
+    store = CampaignStore(str(tmp_path / "c"))
+    store.write_stage_record(0, "train", {"state": "done"})
+    assert store.stage_record(0, "train") == {"state": "done"}
+    assert store.block_indices() == [0]
+    assert not list((tmp_path / "c").rglob("*.tmp-*"))
