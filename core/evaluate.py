@@ -13,7 +13,8 @@ from milepost.core.rollout import RolloutRequest, default_rollout, sampling_para
 
 def evaluate_fleet(recipe: Recipe, fleet: Any, model_path: str) -> dict[str, float]:
     tokenizer = load_tokenizer(model_path)
-    rows = load_rows(recipe.data.eval_path, recipe.data.prompt_key, recipe.data.label_key)
+    rows = load_rows(recipe.data.eval_path, recipe.data.prompt_key, recipe.data.label_key,
+                     builtin_rows=recipe.data.num_eval_rows, seed=recipe.seed)
     num = min(recipe.eval.num_prompts, len(rows))
     source = PromptSource(rows, tokenizer, DataCursor(0, 0, 0, len(rows)), shuffle=False)
     request = RolloutRequest(

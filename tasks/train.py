@@ -38,7 +38,8 @@ def run_train_stage(runner: Any, block: int) -> dict[str, Any]:
                                   temperature=recipe.rollout.temperature, seed=recipe.seed)
     try:
         state = _restore(runner, backend)
-        rows = load_rows(recipe.data.train_path, recipe.data.prompt_key, recipe.data.label_key)
+        rows = load_rows(recipe.data.train_path, recipe.data.prompt_key, recipe.data.label_key,
+                         builtin_rows=recipe.data.num_train_rows, seed=recipe.seed)
         cursor = (DataCursor.from_dict(state.cursor) if state.cursor
                   else DataCursor(epoch=0, offset=0, shuffle_seed=recipe.seed, num_rows=len(rows)))
         source = PromptSource(rows, tokenizer, cursor, shuffle=recipe.data.shuffle)

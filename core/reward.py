@@ -1,0 +1,79 @@
+"""Reward functions: `fn(response_text, label) -> float`, named in the recipe, checked at start-up."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+from milepost.core.plugins import load_object
+from milepost.core.types import Sample
+
+RewardFn = Callable[[str, str], float]
+
+
+def tiny_arith_reward(response_text: str, label: str) -> float:
+    return 1.0 if response_text.strip() == label.strip() else 0.0
+
+
+def _normalise_answer(text: str) -> str:
+    text = text.strip().replace(",", "").replace("$", "").rstrip(".")
+    if re.fullmatch(r"-?\d+\.0+", text):
+        text = text.split(".")[0]
+    return text
+
+
+def extract_final_answer(text: str) -> str | None:
+    boxed = re.findall(r"\\boxed\{([^{}]*)\}", text)
+    if boxed:
+        return boxed[-1]
+    for marker in ("####", "answer is"):
+        if marker in text:
+            return text.rsplit(marker, 1)[1].strip().split("\n")[0]
+    numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
+    return numbers[-1] if numbers else None
+
+
+def math_final_answer_reward(response_text: str, label: str) -> float:
+    answer = extract_final_answer(response_text)
+    return 1.0 if answer is not None and _normalise_answer(answer) == _normalise_answer(label) else 0.0
+
+
+REWARD_FUNCTIONS: dict[str, RewardFn] = {
+    "tiny-arith": tiny_arith_reward,
+    "math-final-answer": math_final_answer_reward,
+}
+
+
+def resolve_reward_fn(spec: str) -> RewardFn:
+    fn = REWARD_FUNCTIONS.get(spec) or load_object(spec, what="reward.function",
+                                                  known=sorted(REWARD_FUNCTIONS))
+    if not callable(fn):
+        raise ValueError(f"reward.function `{spec}` is not callable")
+    try:
+        inspect.signature(fn).bind("response", "label")
+    except TypeError as e:
+        raise ValueError(f"reward.function `{spec}` must accept (response_text, label): {e}") from None
+    return fn
+
+
+class RewardEvaluator:
+    """Scores samples concurrently on a thread pool; order is preserved."""
+
+    def __init__(self, fn: RewardFn, num_workers: int = 2) -> None:
+        self.fn, self.num_workers = fn, num_workers
+
+    def _one(self, sample: Sample) -> float:
+        try:
+            return float(self.fn(sample.response_text, sample.label))
+        except Exception as e:
+            raise RuntimeError(f"reward function failed on prompt {sample.prompt_index} "
+                               f"(response {sample.response_text!r}): {type(e).__name__}: {e}") from e
+
+    def score(self, samples: list[Sample]) -> list[float]:
+        with ThreadPoolExecutor(max_workers=self.num_workers) as pool:
+            scores = list(pool.map(self._one, samples))
+        for s, r in zip(samples, scores):
+            s.reward = r
+        return scores
