@@ -1,4 +1,8 @@
-"""HTTP client for engines (and the router) speaking SGLang's server protocol."""
+"""HTTP client for engines (and the router) speaking SGLang's server protocol.
+
+The same client drives the built-in engine and real SGLang. Control calls (pause, weight
+updates) must go to each engine directly: sglang-router answers 404 to them.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +12,29 @@ import httpx
 
 
 class EngineError(RuntimeError):
-    pass
+    """A failed engine call: `endpoint`, HTTP `status` (None if no reply) and `message`."""
+
+    def __init__(self, endpoint: str, status: int | None, message: str) -> None:
+        super().__init__(f"{endpoint} → {status if status is not None else 'no reply'}: {message}")
+        self.endpoint, self.status, self.message = endpoint, status, message
+
+
+def _server_message(reply: httpx.Response) -> str:
+    """SGLang errors are {"error": {"message"}} or {"error": str}; fall back to the text."""
+    try:
+        body = reply.json()
+    except ValueError:
+        return reply.text[:500]
+    if isinstance(body, dict):
+        err = body.get("error", body.get("message", body.get("detail", body)))
+        if isinstance(err, dict):
+            err = err.get("message", err)
+        return str(err)[:500]
+    return str(body)[:500]
 
 
 class EngineClient:
-    """Every call has a timeout; HTTP errors raise `EngineError` naming endpoint and status."""
+    """Sync client; every call has a timeout. Thread-safe (httpx.Client is)."""
 
     def __init__(self, base_url: str, timeout_s: float = 300.0) -> None:
         self.base_url = base_url.rstrip("/")
@@ -25,26 +47,37 @@ class EngineClient:
         try:
             reply = self._http.request(method, url, json=body, timeout=timeout_s or self.timeout_s)
         except httpx.HTTPError as e:
-            raise EngineError(f"{method} {url} failed: {type(e).__name__}: {e}") from e
+            raise EngineError(f"{method} {url}", None, f"{type(e).__name__}: {e}") from e
         if reply.status_code >= 400:
-            raise EngineError(f"{method} {url} → {reply.status_code}: {reply.text[:500]}")
+            raise EngineError(f"{method} {url}", reply.status_code, _server_message(reply))
         return reply.json() if reply.content else {}
 
-    def generate(self, input_ids: list[int] | list[list[int]], sampling_params: dict[str, Any],
-                 return_logprob: bool = False, **extra: Any) -> Any:
-        body = {"input_ids": input_ids, "sampling_params": sampling_params,
-                "return_logprob": return_logprob, **extra}
-        return self._call("POST", "/generate", body)
+    def _control(self, endpoint: str, body: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+        """Calls answering {"success", "message"}. A failed update is HTTP 400 (as in SGLang),
+        which raises; a 200 with success false is returned for the caller to judge."""
+        return self._call("POST", endpoint, body, timeout_s)
+
+    def generate(self, input_ids: list[int] | list[list[int]] | None = None,
+                 sampling_params: dict[str, Any] | None = None, return_logprob: bool = False,
+                 text: str | list[str] | None = None, timeout_s: float | None = None, **extra: Any) -> Any:
+        """POST /generate; returns the parsed JSON (a list for batched input or n > 1)."""
+        body: dict[str, Any] = {"sampling_params": sampling_params or {}, "return_logprob": return_logprob, **extra}
+        if input_ids is not None:
+            body["input_ids"] = input_ids
+        if text is not None:
+            body["text"] = text
+        return self._call("POST", "/generate", body, timeout_s)
 
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
-                                 flush_cache: bool = True) -> dict[str, Any]:
-        return self._call("POST", "/update_weights_from_disk", {
-            "model_path": model_path, "load_format": None, "abort_all_requests": False,
-            "weight_version": weight_version, "flush_cache": flush_cache})
+                                 flush_cache: bool = True, abort_all_requests: bool = False,
+                                 timeout_s: float | None = None) -> dict[str, Any]:
+        return self._control("/update_weights_from_disk", {
+            "model_path": model_path, "load_format": None, "abort_all_requests": abort_all_requests,
+            "weight_version": weight_version, "flush_cache": flush_cache}, timeout_s)
 
     def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> dict[str, Any]:
-        return self._call("POST", "/update_weight_version",
-                          {"new_version": new_version, "abort_all_requests": abort_all_requests})
+        return self._control("/update_weight_version",
+                             {"new_version": new_version, "abort_all_requests": abort_all_requests})
 
     def pause(self, mode: str = "abort") -> dict[str, Any]:
         return self._call("POST", "/pause_generation", {"mode": mode})
@@ -54,6 +87,9 @@ class EngineClient:
 
     def flush_cache(self) -> Any:
         return self._call("POST", "/flush_cache")
+
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> Any:
+        return self._call("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
 
     def health(self, timeout_s: float = 5.0) -> bool:
         try:
@@ -69,6 +105,9 @@ class EngineClient:
 
     def model_info(self) -> dict[str, Any]:
         return self._call("GET", "/model_info")
+
+    def server_info(self) -> dict[str, Any]:
+        return self._call("GET", "/server_info")
 
     def close(self) -> None:
         self._http.close()

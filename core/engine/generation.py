@@ -116,7 +116,7 @@ class Generator:
     def _forward(self, ids, mask, pos, cache, all_logits: bool, lock) -> torch.Tensor:
         with lock or nullcontext(), torch.inference_mode():
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                             past_key_values=cache, use_cache=True,
+                             cache=cache, use_cache=True,
                              logits_to_keep=0 if all_logits else 1)
         return out.logits
 
@@ -135,22 +135,29 @@ class Generator:
         logits = self._forward(ids, mask, pos, cache, need_input, model_lock)
         if need_input:
             self._score_prompts(seqs, logits, mask)
+        for s in seqs:
+            if s.params.max_new_tokens <= 0:  # prefill scoring only
+                s.finish_reason = {"type": "length", "length": 0}
         live = list(range(len(seqs)))
         last = logits[:, -1]
         while True:
-            tokens = self._sample_step(seqs, gens, live, last)
-            keep = [k for k, i in enumerate(live) if not self._advance(seqs[i], tokens[k])]
+            keep = [k for k, i in enumerate(live) if seqs[i].finish_reason is None]
             if not keep:
+                return True
+            if len(keep) < len(live):  # drop finished rows from the batch and KV cache
+                idx = torch.tensor(keep)
+                cache.batch_select_indices(idx)
+                mask, pos, last = mask[idx], pos[idx], last[idx]
+                live = [live[k] for k in keep]
+            tokens = self._sample_step(seqs, gens, live, last)
+            for k, i in enumerate(live):
+                self._advance(seqs[i], tokens[k])
+            if all(seqs[i].finish_reason is not None for i in live):
                 return True
             if step_hook is not None and step_hook():
                 for s in seqs:
                     s.reset()
                 return False
-            if len(keep) < len(live):
-                idx = torch.tensor(keep)
-                cache.batch_select_indices(idx)
-                mask, pos, tokens = mask[idx], pos[idx], tokens[idx]
-                live = [live[k] for k in keep]
             mask = torch.cat([mask, torch.ones((len(live), 1), dtype=mask.dtype)], dim=1)
             pos = pos[:, -1:] + 1
             last = self._forward(tokens.unsqueeze(-1), mask, pos, cache, False, model_lock)[:, -1]
@@ -195,8 +202,7 @@ class Generator:
         p = s.params
         if s.abort_message is not None:
             s.finish_reason = {"type": "abort", "message": s.abort_message}
-        elif len(s.output_ids) > p.min_new_tokens - 1 and tok in self._stop_ids(p) \
-                and len(s.output_ids) >= max(p.min_new_tokens, 1):
+        elif tok in self._stop_ids(p) and len(s.output_ids) > p.min_new_tokens:
             s.finish_reason = {"type": "stop", "matched": tok}
         elif p.stop and self.decode is not None and self._matched_str(s) is not None:
             s.finish_reason = {"type": "stop", "matched": self._matched_str(s)}
@@ -207,7 +213,3 @@ class Generator:
     def _matched_str(self, s: Sequence) -> str | None:
         tail = self.decode(s.output_ids[-16:])
         return next((x for x in s.params.stop if tail.endswith(x)), None)
-
-    def finish_without_decoding(self, s: Sequence) -> None:
-        """max_new_tokens == 0: prefill scoring only."""
-        s.finish_reason = {"type": "length", "length": 0}

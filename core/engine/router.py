@@ -1,0 +1,115 @@
+"""The real sglang-router, run as a subprocess in front of the engines.
+
+Measured constraints (../shared/FACTS.md): `--host` must be an IP literal, both hosts
+default to 0.0.0.0, worker registration is asynchronous (poll GET /workers).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+
+
+class RouterError(RuntimeError):
+    pass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def ip_literal(host: str) -> str:
+    """A hostname resolved to an IP literal, as the router demands (IPv4 preferred)."""
+    infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    infos.sort(key=lambda i: i[0] != socket.AF_INET)
+    return infos[0][4][0]
+
+
+def _url_host(ip: str) -> str:
+    return f"[{ip}]" if ":" in ip else ip
+
+
+def _ip_url(url: str) -> str:
+    """Worker URLs with hostnames rewritten to IPs: the router compares and dials them."""
+    parts = urlsplit(url)
+    netloc = _url_host(ip_literal(parts.hostname or "127.0.0.1")) + (f":{parts.port}" if parts.port else "")
+    return urlunsplit((parts.scheme or "http", netloc, parts.path, "", "")).rstrip("/")
+
+
+class Router:
+    """Handle on one router process. Not thread-safe: one owner starts and stops it."""
+
+    def __init__(self, proc: subprocess.Popen, url: str, log_path: str, worker_urls: list[str]) -> None:
+        self.proc, self.url, self.log_path, self.worker_urls = proc, url, log_path, worker_urls
+
+    @classmethod
+    def start(cls, worker_urls: list[str], policy: str = "round_robin", host: str = "127.0.0.1",
+              timeout_s: float = 60.0, log_path: str | None = None) -> "Router":
+        """Launch, then wait until every worker is listed in GET /workers."""
+        ip = ip_literal(host)
+        port, prom_port = free_port(ip), free_port(ip)
+        workers = [_ip_url(u) for u in worker_urls]
+        log_path = log_path or os.path.join(tempfile.mkdtemp(prefix="milepost-router-"), "router.log")
+        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", ip, "--port", str(port),
+               "--prometheus-host", ip, "--prometheus-port", str(prom_port), "--policy", policy,
+               "--worker-urls", *workers]
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        router = cls(proc, f"http://{_url_host(ip)}:{port}", log_path, workers)
+        try:
+            router._wait_ready(timeout_s)
+        except BaseException:
+            router.stop()
+            raise
+        return router
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        missing = list(self.worker_urls)
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RouterError(f"router exited with {self.proc.returncode}:\n{self.log_tail()}")
+            missing = self._missing_workers()
+            if missing is not None and not missing:
+                return
+            time.sleep(0.2)
+        raise RouterError(f"router not ready in {timeout_s:.0f}s (workers not listed: {missing}):\n"
+                          f"{self.log_tail()}")
+
+    def _missing_workers(self) -> list[str] | None:
+        """Workers not yet in GET /workers, or None while the router does not answer."""
+        try:
+            reply = httpx.get(f"{self.url}/workers", timeout=2.0)
+        except httpx.HTTPError:
+            return None
+        if reply.status_code != 200:
+            return None
+        listed = reply.text
+        return [u for u in self.worker_urls if u not in listed]
+
+    def log_tail(self, n_bytes: int = 4000) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, os.path.getsize(self.log_path) - n_bytes))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return "(no router log)"
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Terminate this router's pid; kill it if it does not exit in time."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout_s)

@@ -1,0 +1,418 @@
+"""The built-in rollout engine: SGLang's HTTP protocol (../shared/SGLANG-PROTOCOL.md) over
+`generation.Generator`, so the same client and sglang-router drive it or real SGLang.
+
+Run: python -m milepost.core.engine.server --model-path P --host 127.0.0.1 --port N
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import glob
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import deque
+from typing import Any
+
+import torch
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from milepost.core.engine.generation import Generator, SamplingParams, Sequence, make_sequences
+
+log = logging.getLogger("milepost.engine")
+
+# SGLang's SamplingParams keys (srt/sampling/sampling_params.py). Keys we do not implement
+# are accepted only at their neutral value, so nothing is silently ignored.
+SAMPLING_KEYS = {
+    "max_new_tokens": 128, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+    "stop": None, "stop_token_ids": None, "ignore_eos": False, "skip_special_tokens": True,
+    "n": 1, "min_new_tokens": 0, "sampling_seed": None, "frequency_penalty": 0.0,
+    "presence_penalty": 0.0, "repetition_penalty": 1.0, "stop_regex": None, "regex": None,
+    "json_schema": None, "ebnf": None, "structural_tag": None, "no_stop_trim": False,
+    "spaces_between_special_tokens": True, "custom_params": None, "stream_interval": None,
+    "logit_bias": None,
+}
+NEUTRAL_ONLY = {"frequency_penalty", "presence_penalty", "repetition_penalty", "stop_regex", "regex",
+                "json_schema", "ebnf", "structural_tag", "logit_bias"}
+NUMBER_TYPES = {"max_new_tokens": int, "top_k": int, "n": int, "min_new_tokens": int,
+                "temperature": float, "top_p": float, "min_p": float}
+
+
+class Scheduler:
+    """Owns the model and the request queue; one background thread runs the batches.
+
+    Concurrency: queue, running batch and pause state change only under `_cv`. Weights are
+    guarded by `model_lock`, held by the generator around each forward and by a weight update
+    while it copies; lock order is always `_cv` then `model_lock`. A batch takes every queued
+    sequence (up to max_batch_size); requests that arrive meanwhile wait for the next batch.
+    While paused nothing new is scheduled; `abort` / `retract` pauses return once the running
+    batch has ended, `in_place` returns at once and parks the batch between steps.
+    """
+
+    def __init__(self, model_path: str, weight_version: str = "0", max_batch_size: int = 512) -> None:
+        self.model_path, self.weight_version, self.max_batch_size = model_path, weight_version, max_batch_size
+        self.ready, self.load_error = False, None
+        self.model_lock = threading.Lock()
+        self._cv = threading.Condition()
+        self._queue: deque[Sequence] = deque()
+        self._running: list[Sequence] = []
+        self._paused: str | None = None
+
+    def load(self) -> None:
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).eval()
+        self.tokenizer = _load_tokenizer(self.model_path)
+        cfg = self.model.config
+        gen_cfg = getattr(self.model, "generation_config", None)
+        eos = getattr(gen_cfg, "eos_token_id", None) or cfg.eos_token_id
+        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        decode = self.tokenizer.decode if self.tokenizer else None
+        self.vocab_size = cfg.vocab_size
+        self.generator = Generator(self.model, eos, cfg.pad_token_id or 0, decode)
+        threading.Thread(target=self._loop, daemon=True, name="engine-scheduler").start()
+        self.ready = True
+
+    async def submit(self, seqs: list[Sequence]) -> None:
+        """Queue sequences and wait until all are finished (or aborted)."""
+        loop = asyncio.get_running_loop()
+        futs = [loop.create_future() for _ in seqs]
+        for s, f in zip(seqs, futs):
+            s.on_done = lambda _s, f=f: loop.call_soon_threadsafe(f.set_result, None)
+        with self._cv:
+            self._queue.extend(seqs)
+            self._cv.notify_all()
+        await asyncio.gather(*futs)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue or self._paused:
+                    self._cv.wait()
+                batch = [self._queue.popleft() for _ in range(min(self.max_batch_size, len(self._queue)))]
+                self._running = batch
+            try:
+                done = self.generator.run_batch(batch, self.model_lock, self._step_hook)
+            except Exception as exc:  # never kill the scheduler: fail this batch only
+                log.exception("batch failed")
+                for s in batch:
+                    s.finish_reason = {"type": "abort", "message": f"engine error: {exc}"}
+                done = True
+            with self._cv:
+                self._running = []
+                if not done:  # retracted: recomputed from scratch after continue
+                    self._queue.extendleft(reversed(batch))
+                self._cv.notify_all()
+            for s in batch if done else []:
+                s.on_done(s)
+
+    def _step_hook(self) -> bool:
+        with self._cv:
+            while self._paused == "in_place":
+                self._cv.wait()
+            return self._paused == "retract"
+
+    def pause(self, mode: str) -> None:
+        with self._cv:
+            self._paused = mode
+            self._cv.notify_all()
+        if mode == "abort":
+            self.abort("all", "paused (abort)")
+        if mode in ("abort", "retract"):
+            with self._cv:
+                self._cv.wait_for(lambda: not self._running)
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = None
+            self._cv.notify_all()
+
+    def abort(self, rid: str, message: str) -> None:
+        """Abort running and queued sequences of one rid (or "all")."""
+        with self._cv:
+            hit = lambda s: rid == "all" or s.rid == rid
+            for s in self._running:
+                if hit(s):
+                    s.abort_message = message
+            dropped = [s for s in self._queue if hit(s)]
+            self._queue = deque(s for s in self._queue if not hit(s))
+        for s in dropped:
+            s.finish_reason = {"type": "abort", "message": message}
+            s.on_done(s)
+
+    def num_running(self) -> int:
+        with self._cv:
+            return len(self._running)
+
+    def num_tokens(self) -> int:
+        with self._cv:
+            seqs = list(self._running) + list(self._queue)
+        return sum(len(s.prompt_ids) + len(s.output_ids) for s in seqs)
+
+    def update_weights(self, path: str, version: str | None, flush_cache: bool,
+                       abort_all: bool) -> tuple[bool, str]:
+        """Copy safetensors weights from an HF folder into the live model, in place."""
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if not files:
+            return False, f"no *.safetensors in {path}"
+        if abort_all:
+            self.abort("all", "aborted for weight update")
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(load_file(f))
+        with self._cv:
+            if abort_all:
+                self._cv.wait_for(lambda: not self._running, timeout=60)
+            if flush_cache and self._running:
+                return False, "cannot flush cache while requests are running: pause first"
+            with self.model_lock:
+                try:
+                    res = self.model.load_state_dict(state, strict=False)
+                except RuntimeError as exc:  # shape mismatch: the model is untouched
+                    return False, f"weights do not fit the model: {exc}"
+            missing = [k for k in res.missing_keys if not (k == "lm_head.weight" and self.model.config.tie_word_embeddings)]
+            if missing or res.unexpected_keys:
+                return False, f"missing {missing[:5]}, unexpected {res.unexpected_keys[:5]}"
+            self.model_path = path
+            if version is not None:
+                self.weight_version = str(version)
+        return True, f"loaded {len(state)} tensors from {path}"
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def _load_tokenizer(path: str) -> Any:
+    """The model's tokenizer, or None for a bare checkpoint (input_ids only). transformers 5
+    builds an empty tokenizer from config.json alone, so look for tokenizer files first."""
+    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception:
+        return None
+
+
+def load_engine(sched: Scheduler) -> None:
+    try:
+        sched.load()
+    except Exception as exc:
+        sched.load_error = repr(exc)
+        log.exception("model load failed")
+
+
+class BadRequest(Exception):
+    pass
+
+
+def _error(msg: str, status: int = 400) -> JSONResponse:
+    return JSONResponse({"error": {"message": msg}}, status_code=status)
+
+
+def parse_sampling(raw: Any) -> tuple[SamplingParams, int, bool]:
+    """Validate SGLang sampling_params → (params, n, skip_special_tokens)."""
+    raw = raw or {}
+    if not isinstance(raw, dict):
+        raise BadRequest("sampling_params must be an object")
+    for key, val in raw.items():
+        if key not in SAMPLING_KEYS:
+            raise BadRequest(f"unknown field `{key}`, expected one of {', '.join(SAMPLING_KEYS)}")
+        if key in NEUTRAL_ONLY and val not in (None, SAMPLING_KEYS[key]):
+            raise BadRequest(f"sampling param `{key}` is not supported by the built-in engine")
+    v = {k: raw.get(k) if raw.get(k) is not None else d for k, d in SAMPLING_KEYS.items()}
+    for key, typ in NUMBER_TYPES.items():
+        if isinstance(v[key], bool) or not isinstance(v[key], (int, float)) or (typ is int and v[key] != int(v[key])):
+            raise BadRequest(f"sampling param `{key}` must be {typ.__name__}, got {v[key]!r}")
+    stop = v["stop"] if v["stop"] is not None else []
+    stop = [stop] if isinstance(stop, str) else stop
+    ids = v["stop_token_ids"] or []
+    if not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise BadRequest("`stop` must be a string or a list of strings")
+    if not (isinstance(ids, list) and all(isinstance(i, int) for i in ids)):
+        raise BadRequest("`stop_token_ids` must be a list of ints")
+    seed = v["sampling_seed"]
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise BadRequest("`sampling_seed` must be an int")
+    if v["temperature"] < 0 or not 0 < v["top_p"] <= 1 or v["n"] < 1 or v["max_new_tokens"] < 0:
+        raise BadRequest("need temperature >= 0, 0 < top_p <= 1, n >= 1, max_new_tokens >= 0")
+    params = SamplingParams(int(v["max_new_tokens"]), float(v["temperature"]), float(v["top_p"]),
+                            int(v["top_k"]), float(v["min_p"]), list(ids), stop, bool(v["ignore_eos"]),
+                            int(v["min_new_tokens"]), seed)
+    return params, int(v["n"]), bool(v["skip_special_tokens"])
+
+
+def _prompts(body: dict, sched: Scheduler) -> tuple[list[list[int]], bool]:
+    """input_ids (list or list of lists) or text → token lists, and whether it was a batch."""
+    ids = body.get("input_ids")
+    if ids is None:
+        text = body.get("text")
+        if text is None:
+            raise BadRequest("need `input_ids` or `text`")
+        if sched.tokenizer is None:
+            raise BadRequest("this model has no tokenizer: send `input_ids`")
+        texts = [text] if isinstance(text, str) else text
+        if not (isinstance(texts, list) and all(isinstance(t, str) for t in texts)):
+            raise BadRequest("`text` must be a string or a list of strings")
+        rows = [sched.tokenizer.encode(t) for t in texts]
+        if not rows or not all(rows):
+            raise BadRequest("`text` tokenized to an empty prompt")
+        return rows, not isinstance(text, str)
+    batched = isinstance(ids, list) and len(ids) > 0 and isinstance(ids[0], list)
+    rows = ids if batched else [ids]
+    ok = isinstance(ids, list) and all(isinstance(r, list) and r and all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < sched.vocab_size for t in r) for r in rows)
+    if not ok:
+        raise BadRequest(f"`input_ids` must be a non-empty list (or list of lists) of ints in [0, {sched.vocab_size})")
+    return rows, batched
+
+
+def _response(s: Sequence, sched: Scheduler, body: dict, skip_special: bool, t0: float, version: str) -> dict:
+    meta: dict[str, Any] = {
+        "id": s.rid, "finish_reason": s.finish_reason, "prompt_tokens": len(s.prompt_ids),
+        "completion_tokens": len(s.output_ids), "cached_tokens": 0, "weight_version": version,
+        "e2e_latency": time.time() - t0,
+    }
+    if body.get("return_logprob"):
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(s.output_logprobs, s.output_ids)]
+        if s.logprob_start_len >= 0:
+            meta["input_token_logprobs"] = [[lp, t, None] for lp, t in
+                                            zip(s.input_logprobs, s.prompt_ids[s.logprob_start_len:])]
+    text = sched.tokenizer.decode(s.output_ids, skip_special_tokens=skip_special) if sched.tokenizer else ""
+    return {"text": text, "output_ids": list(s.output_ids), "meta_info": meta}
+
+
+async def _json(request: Request) -> dict:
+    try:
+        body = await request.json()
+    except Exception as exc:  # malformed JSON is the client's fault: 400, never 500
+        raise BadRequest(f"invalid JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("body must be a JSON object")
+    return body
+
+
+def create_app(sched: Scheduler) -> FastAPI:
+    app = FastAPI()
+
+    @app.exception_handler(BadRequest)
+    async def _bad(_: Request, exc: BadRequest) -> JSONResponse:
+        return _error(str(exc))
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Any:
+        body, t0 = await _json(request), time.time()
+        if not sched.ready:
+            return _error("model is loading", 503)
+        if body.get("stream"):
+            raise BadRequest("streaming is not supported by the built-in engine")
+        params, n, skip = parse_sampling(body.get("sampling_params"))
+        prompts, batched = _prompts(body, sched)
+        start = body.get("logprob_start_len", -1)
+        if not isinstance(start, int) or start >= min(len(p) for p in prompts):
+            raise BadRequest("`logprob_start_len` must be an int < prompt length")
+        rid = body.get("rid") or uuid.uuid4().hex
+        seqs = [s for p in prompts for s in make_sequences(p, params, n, str(rid), start)]
+        await sched.submit(seqs)
+        out = [_response(s, sched, body, skip, t0, sched.weight_version) for s in seqs]
+        return out if (batched or n > 1) else out[0]
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights(request: Request) -> Any:
+        body = await _json(request)
+        if not isinstance(body.get("model_path"), str):
+            raise BadRequest("`model_path` (str) is required")
+        ok, msg = await asyncio.to_thread(
+            sched.update_weights, body["model_path"], body.get("weight_version"),
+            bool(body.get("flush_cache", True)), bool(body.get("abort_all_requests", False)))
+        return JSONResponse({"success": ok, "message": msg}, status_code=200 if ok else 400)
+
+    @app.post("/pause_generation")
+    async def pause(request: Request) -> Any:
+        mode = (await _json(request)).get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            raise BadRequest("`mode` must be abort, retract or in_place")
+        await asyncio.to_thread(sched.pause, mode)
+        return {"success": True, "message": f"paused ({mode})"}
+
+    @app.post("/continue_generation")
+    async def resume() -> Any:
+        sched.resume()
+        return {"success": True, "message": "continued"}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush() -> Any:
+        ok = sched.num_running() == 0
+        return JSONResponse({"success": ok, "message": "Cache flushed." if ok else
+                             "cannot flush while requests are running"}, status_code=200 if ok else 400)
+
+    @app.post("/update_weight_version")
+    async def update_version(request: Request) -> Any:
+        body = await _json(request)
+        if not isinstance(body.get("new_version"), (str, int)):
+            raise BadRequest("`new_version` is required")
+        if body.get("abort_all_requests", True):
+            sched.abort("all", "weight version updated")
+        sched.weight_version = str(body["new_version"])
+        return {"success": True, "message": f"weight_version={sched.weight_version}"}
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Any:
+        body = await _json(request)
+        sched.abort("all" if body.get("abort_all") else str(body.get("rid", "")), "aborted by request")
+        return {"success": True, "message": "ok"}
+
+    @app.get("/health")
+    async def health() -> Any:
+        return JSONResponse({}, status_code=200) if sched.ready else _error("model is loading", 503)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Any:
+        if not sched.ready:
+            return _error("model is loading", 503)
+        await sched.submit(make_sequences([0], SamplingParams(max_new_tokens=1, temperature=0.0), 1, "health"))
+        return JSONResponse({}, status_code=200)
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info() -> Any:
+        return {"model_path": sched.model_path, "weight_version": sched.weight_version,
+                "is_generation": True, "tokenizer_path": sched.model_path if sched.tokenizer else None}
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info() -> Any:
+        return {"model_path": sched.model_path, "served_model_name": sched.model_path, "dp_size": 1,
+                "tp_size": 1, "weight_version": sched.weight_version, "max_batch_size": sched.max_batch_size}
+
+    @app.get("/get_load")
+    async def get_load() -> Any:
+        return [{"num_tokens": sched.num_tokens()}]
+
+    return app
+
+
+def serve(model_path: str, host: str, port: int, weight_version: str = "0", max_batch_size: int = 512) -> None:
+    """Bind at once (health answers 503), load the model in the background, serve forever."""
+    sched = Scheduler(model_path, weight_version, max_batch_size)
+    threading.Thread(target=load_engine, args=(sched,), daemon=True, name="engine-load").start()
+    uvicorn.run(create_app(sched), host=host, port=port, log_level="warning")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="milepost built-in rollout engine (SGLang protocol)")
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--weight-version", default="0")
+    ap.add_argument("--max-batch-size", type=int, default=512)
+    a = ap.parse_args()
+    serve(a.model_path, a.host, a.port, a.weight_version, a.max_batch_size)
+
+
+if __name__ == "__main__":
+    main()

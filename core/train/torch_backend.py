@@ -1,0 +1,263 @@
+"""Torch DDP train backend: one Ray actor per rank, gloo on CPU, fp32.
+
+Gradient arithmetic: every micro-batch's loss is rl_loss(..., token_normalizer = GLOBAL loss
+tokens of the step), so summing over micro-batches and ranks gives the full-batch token mean.
+DDP averages gradients over ranks, so each rank backpropagates loss * world_size. Every rank
+runs the same number of micro-batches (short ranks run zero-loss padding micro-batches) so
+the DDP allreduce of the last one lines up; the others run under no_sync.
+
+Checkpoint folder (save_state): model.pt + scheduler.pt (rank 0), optim_rank{r}.pt and
+rng_rank{r}.pt (each rank), meta.json (driver).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import socket
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import ray
+import torch
+import torch.distributed as dist
+
+from milepost.core.algo.losses import rl_loss
+from milepost.core.config import AlgoConfig, TrainConfig
+from milepost.core.train.batch import (collate, count_loss_tokens, num_micro_batches,
+                                       padding_sample, shard_by_rank, split_micro_batches)
+from milepost.core.train.logprobs import response_logprobs, response_logprobs_and_entropy
+from milepost.core.types import Sample
+
+RANK_NUM_CPUS = 0.25  # logical CPUs a rank actor reserves (threads: train_cfg.num_threads_per_rank)
+PG_TIMEOUT = datetime.timedelta(minutes=10)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "added_tokens.json", "tokenizer.model", "chat_template.jinja",
+                   "chat_template.json", "generation_config.json")
+
+
+def lr_lambda(schedule: str, warmup_steps: int, total_steps: int | None) -> Callable[[int], float]:
+    """LR multiplier at optimizer step s (0-based): linear warmup to 1 over warmup_steps, then
+    constant, or cosine / linear decay to 0 at total_steps."""
+    if schedule != "constant" and total_steps is None:
+        raise ValueError(f"train.lr_schedule={schedule} needs total_steps")
+
+    def mult(s: int) -> float:
+        if s < warmup_steps:
+            return (s + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (s - warmup_steps) / max(1, total_steps - warmup_steps))
+        return 0.5 * (1.0 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
+    return mult
+
+
+def state_sha256(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over sorted names, each name's utf-8 bytes then its raw contiguous fp32 bytes."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        h.update(name.encode())
+        h.update(state[name].detach().to(torch.float32).contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rng_state() -> dict[str, Any]:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+class RankWorker:
+    """One DDP rank (runs inside a Ray actor)."""
+
+    def __init__(self, rank: int, world_size: int, model_path: str, train_cfg: TrainConfig,
+                 algo_cfg: AlgoConfig, temperature: float, seed: int, total_steps: int | None) -> None:
+        torch.set_num_threads(train_cfg.num_threads_per_rank)
+        self.rank, self.world_size, self.model_path = rank, world_size, model_path
+        self.train_cfg, self.algo_cfg, self.temperature = train_cfg, algo_cfg, temperature
+        self.seed, self.total_steps = seed, total_steps
+
+    def free_port(self) -> int:
+        return _free_port()
+
+    def setup(self, port: int) -> None:
+        """Join the gloo group, load the model (fp32), wrap in DDP, build optimizer and schedule."""
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        from milepost.core.model.loading import load_causal_lm
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=self.rank,
+                                world_size=self.world_size, timeout=PG_TIMEOUT)
+        random.seed(self.seed + self.rank)
+        np.random.seed((self.seed + self.rank) % 2**32)
+        torch.manual_seed(self.seed)
+        self.module = load_causal_lm(self.model_path, torch.float32).eval()
+        self.pad_id = int(self.module.config.pad_token_id or 0)
+        self.model = DDP(self.module)
+        self.ref = load_causal_lm(self.model_path, torch.float32).eval() if self.algo_cfg.kl_coef > 0 else None
+        if self.ref is not None:
+            self.ref.requires_grad_(False)
+        cfg = self.train_cfg
+        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
+                                           weight_decay=cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps, self.total_steps))
+
+    def _micro_batch(self, samples: list[Sample], normalizer: float) -> tuple[float, dict[str, float]]:
+        """Forward + backward of one micro-batch; returns (loss, rl_loss metrics)."""
+        batch = collate(samples, self.pad_id)
+        logprobs, entropy = response_logprobs_and_entropy(self.model, batch, self.temperature)
+        if self.algo_cfg.entropy_coef == 0:
+            entropy = entropy.detach()
+        ref = None
+        if self.ref is not None:
+            with torch.no_grad():
+                ref = response_logprobs(self.ref, batch, self.temperature)
+        loss, metrics = rl_loss(logprobs, logprobs.detach(), batch["engine_logprobs"], batch["advantages"],
+                                batch["loss_mask"], self.algo_cfg, normalizer, ref_logprobs=ref,
+                                entropy=entropy)
+        (loss * self.world_size).backward()
+        return float(loss.detach()), metrics
+
+    def train(self, samples: list[Sample], n_micro: int, normalizer: float) -> dict[str, float]:
+        """Accumulate n_micro micro-batches (padded), clip, one optimizer + scheduler step."""
+        chunks = split_micro_batches(samples, self.train_cfg.micro_batch_size)
+        chunks += [[padding_sample(self.pad_id)]] * (n_micro - len(chunks))
+        totals: dict[str, float] = {"train/loss": 0.0}
+        self.optimizer.zero_grad(set_to_none=True)
+        for i, chunk in enumerate(chunks):
+            with self.model.no_sync() if i < len(chunks) - 1 else nullcontext():
+                loss, metrics = self._micro_batch(chunk, normalizer)
+            totals["train/loss"] += loss
+            for k, v in metrics.items():
+                totals[k] = totals.get(k, 0.0) + v
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.train_cfg.grad_clip)
+        totals["train/grad_norm"] = float(grad_norm)
+        totals["train/lr"] = float(self.scheduler.get_last_lr()[0])
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return totals
+
+    def save(self, path: str) -> None:
+        folder = Path(path)
+        if self.rank == 0:
+            torch.save(self.module.state_dict(), folder / "model.pt")
+            torch.save(self.scheduler.state_dict(), folder / "scheduler.pt")
+        torch.save(self.optimizer.state_dict(), folder / f"optim_rank{self.rank}.pt")
+        torch.save(_rng_state(), folder / f"rng_rank{self.rank}.pt")
+
+    def load(self, path: str) -> None:
+        folder = Path(path)
+        self.module.load_state_dict(torch.load(folder / "model.pt", weights_only=True))
+        optim = folder / f"optim_rank{self.rank}.pt"
+        optim = optim if optim.exists() else folder / "optim_rank0.pt"  # DDP ranks hold equal states
+        self.optimizer.load_state_dict(torch.load(optim, weights_only=True))
+        self.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
+        rng = folder / f"rng_rank{self.rank}.pt"
+        if rng.exists():
+            _set_rng_state(torch.load(rng, weights_only=False))
+
+    def export(self, path: str) -> None:
+        self.module.save_pretrained(path, max_shard_size="1000GB")
+        for name in TOKENIZER_FILES:
+            src = Path(self.model_path) / name
+            if src.is_file() and not (Path(path) / name).exists():
+                shutil.copy2(src, Path(path) / name)
+
+    def sha256(self) -> str:
+        return state_sha256(self.module.state_dict())
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class TorchBackend:
+    """Driver side: shards each step's samples by position and drives the rank actors."""
+
+    def __init__(self, actors: list[Any], train_cfg: TrainConfig) -> None:
+        self.actors, self.train_cfg = actors, train_cfg
+
+    @classmethod
+    def create(cls, model_path: str, train_cfg: TrainConfig, algo_cfg: AlgoConfig, temperature: float,
+               seed: int, total_steps: int | None = None) -> "TorchBackend":
+        world = train_cfg.num_ranks
+        actor_cls = ray.remote(num_cpus=RANK_NUM_CPUS)(RankWorker)
+        actors = [actor_cls.remote(r, world, model_path, train_cfg, algo_cfg, temperature, seed, total_steps)
+                  for r in range(world)]
+        backend = cls(actors, train_cfg)
+        try:
+            port = ray.get(actors[0].free_port.remote())
+            ray.get([a.setup.remote(port) for a in actors])
+        except Exception:
+            backend.shutdown()
+            raise
+        return backend
+
+    def train_step(self, samples: list[Sample], step: int) -> dict[str, float]:
+        shards = shard_by_rank(samples, len(self.actors))
+        n_micro = num_micro_batches(shards, self.train_cfg.micro_batch_size)
+        num_tokens = count_loss_tokens(samples)
+        normalizer = float(max(1, num_tokens))
+        per_rank = ray.get([a.train.remote(s, n_micro, normalizer) for a, s in zip(self.actors, shards)])
+        metrics = {k: sum(m[k] for m in per_rank) for k in per_rank[0]}
+        metrics["train/grad_norm"] = per_rank[0]["train/grad_norm"]  # equal on every rank
+        metrics["train/lr"] = per_rank[0]["train/lr"]
+        metrics["train/num_tokens"] = float(num_tokens)
+        metrics["train/num_micro_batches"] = float(n_micro)
+        metrics["train/step"] = float(step)
+        return metrics
+
+    def save_state(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+        ray.get([a.save.remote(path) for a in self.actors])
+        meta = {"world_size": len(self.actors), "format": "milepost-torch-ddp-v1"}
+        Path(path, "meta.json").write_text(json.dumps(meta))
+
+    def load_state(self, path: str) -> None:
+        if not Path(path, "model.pt").is_file():
+            raise FileNotFoundError(f"{path} holds no train state (no model.pt); written by save_state?")
+        ray.get([a.load.remote(path) for a in self.actors])
+
+    def export_hf(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+        ray.get(self.actors[0].export.remote(path))
+
+    def weights_sha256(self) -> str:
+        return ray.get(self.actors[0].sha256.remote())
+
+    def rank_weights_sha256(self) -> list[str]:
+        """The digest on every rank (DDP keeps them identical)."""
+        return ray.get([a.sha256.remote() for a in self.actors])
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Rank 0's weights, copied to the driver (tests, small models)."""
+        return ray.get(self.actors[0].state_dict.remote())
+
+    def shutdown(self) -> None:
+        try:
+            ray.get([a.shutdown.remote() for a in self.actors], timeout=60)
+        except Exception:
+            pass  # an actor that is already gone has no group to destroy
+        for a in self.actors:
+            ray.kill(a)
+        self.actors = []
