@@ -35,7 +35,8 @@ def run_train_stage(runner: Any, block: int) -> dict[str, Any]:
     tokenizer = load_tokenizer(runner.model_path)
     start_path = str(latest.path / "hf") if latest else runner.model_path
     backend = TorchBackend.create(start_path, recipe.train, recipe.algo,
-                                  temperature=recipe.rollout.temperature, seed=recipe.seed)
+                                  temperature=recipe.rollout.temperature, seed=recipe.seed,
+                                  total_steps=recipe.campaign.num_blocks * recipe.campaign.steps_per_block)
     try:
         state = _restore(runner, backend)
         rows = load_rows(recipe.data.train_path, recipe.data.prompt_key, recipe.data.label_key,
