@@ -45,7 +45,7 @@ def bench_engine(model, prompts, new_tokens: int) -> tuple[float, list[list[int]
         seqs = [s for p in prompts for s in make_sequences(p, params, 1)]
         gen.run_batch(seqs)
         box[:] = [s.output_ids for s in seqs]
-    return best_of(run, 3), box
+    return best_of(run, 5), box
 
 
 def bench_hf(model, prompts, new_tokens: int) -> tuple[float, list[list[int]]]:
@@ -57,7 +57,7 @@ def bench_hf(model, prompts, new_tokens: int) -> tuple[float, list[list[int]]]:
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
         box[:] = out[:, ids.shape[1]:].tolist()
-    return best_of(run, 3), box
+    return best_of(run, 5), box
 
 
 def bench_http(path: str, prompts, new_tokens: int) -> float:
@@ -72,7 +72,7 @@ def bench_http(path: str, prompts, new_tokens: int) -> float:
         while not client.health():
             time.sleep(0.2)
         sp = {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}
-        return best_of(lambda: client.generate(prompts, sp), 3)
+        return best_of(lambda: client.generate(prompts, sp), 5)
     finally:
         proc.terminate()
         proc.wait(15)

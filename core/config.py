@@ -30,7 +30,8 @@ class TinyModelConfig(Section):
     num_heads: int = Field(4, ge=1)
     num_kv_heads: int = Field(2, ge=1)
     intermediate_size: int = Field(256, ge=16)
-    warmstart_steps: int = Field(300, ge=0, description="Supervised steps on the task before RL.")
+    # 450 cosine-decayed steps: greedy eval accuracy 9-34% over seeds 1-4 (18% at seed 1), ~13 s on 2 cores.
+    warmstart_steps: int = Field(450, ge=0, description="Supervised steps on the task before RL.")
     warmstart_batch_size: int = Field(64, ge=1)
     warmstart_lr: float = Field(3e-3, gt=0)
 

@@ -17,21 +17,28 @@ def tiny_arith_reward(response_text: str, label: str) -> float:
     return 1.0 if response_text.strip() == label.strip() else 0.0
 
 
+_NUMBER = r"-?\$?\d[\d,]*(?:\.\d+)?"
+
+
 def _normalise_answer(text: str) -> str:
-    text = text.strip().replace(",", "").replace("$", "").rstrip(".")
+    """Compare answers as written by humans: `$1,234.0` == `1234`."""
+    text = text.strip().replace(",", "").replace("$", "").rstrip(".").strip()
     if re.fullmatch(r"-?\d+\.0+", text):
         text = text.split(".")[0]
     return text
 
 
 def extract_final_answer(text: str) -> str | None:
+    """Last \\boxed{...}; else what follows the last `####` / `answer is`; else the last number."""
     boxed = re.findall(r"\\boxed\{([^{}]*)\}", text)
     if boxed:
         return boxed[-1]
     for marker in ("####", "answer is"):
         if marker in text:
-            return text.rsplit(marker, 1)[1].strip().split("\n")[0]
-    numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
+            tail = text.rsplit(marker, 1)[1].strip().split("\n")[0]
+            first = re.search(_NUMBER, tail)  # "answer is 42 because ..." -> 42
+            return first.group(0) if first else tail
+    numbers = re.findall(_NUMBER, text)
     return numbers[-1] if numbers else None
 
 
@@ -47,14 +54,17 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
 
 
 def resolve_reward_fn(spec: str) -> RewardFn:
+    """A registered name, `package.module:function` or `path/to/file.py:function`, checked now
+    so a wrong signature fails at start-up, not at the first reward."""
     fn = REWARD_FUNCTIONS.get(spec) or load_object(spec, what="reward.function",
                                                   known=sorted(REWARD_FUNCTIONS))
     if not callable(fn):
-        raise ValueError(f"reward.function `{spec}` is not callable")
+        raise ValueError(f"reward.function `{spec}` is not callable; name a function")
     try:
         inspect.signature(fn).bind("response", "label")
     except TypeError as e:
-        raise ValueError(f"reward.function `{spec}` must accept (response_text, label): {e}") from None
+        raise ValueError(f"reward.function `{spec}` must accept (response_text, label): {e}; "
+                         "change its signature to fn(response_text: str, label: str) -> float") from None
     return fn
 
 
@@ -62,13 +72,16 @@ class RewardEvaluator:
     """Scores samples concurrently on a thread pool; order is preserved."""
 
     def __init__(self, fn: RewardFn, num_workers: int = 2) -> None:
+        if num_workers < 1:
+            raise ValueError(f"reward.num_workers must be >= 1, got {num_workers}")
         self.fn, self.num_workers = fn, num_workers
 
     def _one(self, sample: Sample) -> float:
         try:
             return float(self.fn(sample.response_text, sample.label))
         except Exception as e:
-            raise RuntimeError(f"reward function failed on prompt {sample.prompt_index} "
+            raise RuntimeError(f"reward function failed on sample of prompt {sample.prompt_index} "
+                               f"(group {sample.group_index}) "
                                f"(response {sample.response_text!r}): {type(e).__name__}: {e}") from e
 
     def score(self, samples: list[Sample]) -> list[float]:

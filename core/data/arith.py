@@ -7,6 +7,7 @@ import json
 import os
 import random
 from pathlib import Path
+from typing import Any
 
 MAX_OPERAND = 99
 EVAL_FRACTION = 0.1
@@ -22,6 +23,8 @@ def _is_eval_pair(a: int, b: int) -> bool:
 
 
 def make_rows(num_rows: int, seed: int, split: str) -> list[dict[str, str]]:
+    """`num_rows` rows of split `train` (pairs drawn with replacement) or `eval` (distinct pairs,
+    at most ~1,000); eval pairs are a fixed hash-chosen ~10% of all 10,000 and never train."""
     if split not in ("train", "eval"):
         raise ValueError(f"tiny-arith split must be `train` or `eval`, got `{split}`")
     pairs = [(a, b) for a in range(MAX_OPERAND + 1) for b in range(MAX_OPERAND + 1)
@@ -32,15 +35,22 @@ def make_rows(num_rows: int, seed: int, split: str) -> list[dict[str, str]]:
     return [{"prompt": f"{a}+{b}=", "label": str(a + b)} for a, b in rows]
 
 
-def write_builtin_dataset(name: str, num_rows: int, seed: int) -> str:
-    """`builtin:tiny-arith/<split>` → a cached JSONL file (written atomically)."""
-    task, _, split = name.removeprefix("builtin:").partition("/")
-    if task != "tiny-arith":
-        raise ValueError(f"unknown builtin dataset `{name}`; available: builtin:tiny-arith/train, "
-                         "builtin:tiny-arith/eval")
+BUILTIN_DATASETS = ("builtin:tiny-arith/train", "builtin:tiny-arith/eval")
+
+
+def write_builtin_dataset(name: str, data_cfg: Any, seed: int) -> str:
+    """`builtin:tiny-arith/<split>` → a cached JSONL file (written atomically).
+
+    `data_cfg` is a DataConfig: its num_train_rows / num_eval_rows size the split.
+    """
+    if name not in BUILTIN_DATASETS:
+        raise ValueError(f"unknown builtin dataset `{name}`; available: {', '.join(BUILTIN_DATASETS)}")
+    split = name.rsplit("/", 1)[1]
+    num_rows = data_cfg.num_train_rows if split == "train" else data_cfg.num_eval_rows
     path = cache_root() / "data" / f"tiny-arith-{split}-{num_rows}-{seed}.jsonl"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
+        # tmp + rename: a killed writer never leaves a truncated file under the final name
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in make_rows(num_rows, seed, split)))
         tmp.replace(path)

@@ -189,7 +189,9 @@ class Generator:
             if p.temperature > 0:
                 row = _truncate(masked[k], p)
                 tokens[k] = torch.multinomial(row.exp(), 1, generator=gens[i])[0]
-            seqs[i].output_logprobs.append(lp[k, tokens[k]].item())
+        chosen = lp.gather(1, tokens.unsqueeze(-1)).squeeze(-1).tolist()  # one sync, not one per row
+        for k, i in enumerate(live):
+            seqs[i].output_logprobs.append(chosen[k])
         return tokens
 
     def _stop_ids(self, p: SamplingParams) -> set[int]:

@@ -50,7 +50,8 @@ class Scheduler:
 
     Concurrency: queue, running batch and pause state change only under `_cv`. Weights are
     guarded by `model_lock`, held by the generator around each forward and by a weight update
-    while it copies; lock order is always `_cv` then `model_lock`. A batch takes every queued
+    while it copies (`_updating` keeps new batches from starting meanwhile); `model_lock` is
+    never taken while `_cv` is held, nor the reverse. A batch takes every queued
     sequence (up to max_batch_size); requests that arrive meanwhile wait for the next batch.
     While paused nothing new is scheduled; `abort` / `retract` pauses return once the running
     batch has ended, `in_place` returns at once and parks the batch between steps.
@@ -64,6 +65,7 @@ class Scheduler:
         self._queue: deque[Sequence] = deque()
         self._running: list[Sequence] = []
         self._paused: str | None = None
+        self._updating = False
 
     def load(self) -> None:
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).eval()
@@ -92,7 +94,7 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._queue or self._paused:
+                while not self._queue or self._paused or self._updating:
                     self._cv.wait()
                 batch = [self._queue.popleft() for _ in range(min(self.max_batch_size, len(self._queue)))]
                 self._running = batch
@@ -165,23 +167,38 @@ class Scheduler:
         state: dict[str, torch.Tensor] = {}
         for f in files:
             state.update(load_file(f))
+        problem = self._check_state(state)
+        if problem:  # validated first, so a bad checkpoint leaves the model untouched
+            return False, problem
         with self._cv:
             if abort_all:
                 self._cv.wait_for(lambda: not self._running, timeout=60)
             if flush_cache and self._running:
                 return False, "cannot flush cache while requests are running: pause first"
+            self._updating = True  # no new batch starts; _cv is free for submit() meanwhile
+        try:
             with self.model_lock:
-                try:
-                    res = self.model.load_state_dict(state, strict=False)
-                except RuntimeError as exc:  # shape mismatch: the model is untouched
-                    return False, f"weights do not fit the model: {exc}"
-            missing = [k for k in res.missing_keys if not (k == "lm_head.weight" and self.model.config.tie_word_embeddings)]
-            if missing or res.unexpected_keys:
-                return False, f"missing {missing[:5]}, unexpected {res.unexpected_keys[:5]}"
-            self.model_path = path
-            if version is not None:
-                self.weight_version = str(version)
+                self.model.load_state_dict(state, strict=False)
+        finally:
+            with self._cv:
+                self._updating = False
+                self._cv.notify_all()
+        self.model_path = path
+        if version is not None:
+            self.weight_version = str(version)
         return True, f"loaded {len(state)} tensors from {path}"
+
+    def _check_state(self, state: dict[str, torch.Tensor]) -> str | None:
+        """Names and shapes must match the live model (a tied lm_head may be absent)."""
+        own = self.model.state_dict()
+        tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
+        missing = [k for k in own if k not in state and not (tied and k == "lm_head.weight")]
+        unexpected = [k for k in state if k not in own]
+        shapes = [k for k in state if k in own and state[k].shape != own[k].shape]
+        if missing or unexpected or shapes:
+            return f"weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}, " \
+                   f"shape mismatch {shapes[:5]}"
+        return None
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")

@@ -17,10 +17,10 @@ from milepost.core.engine.client import EngineClient, EngineError
 from milepost.core.engine.router import Router, free_port
 
 
-def _tiny(path: Path, seed: int) -> str:
+def _tiny(path: Path, seed: int, vocab: int = 32) -> str:
     torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                       eos_token_id=1, pad_token_id=0)
     Qwen2ForCausalLM(cfg).save_pretrained(path)
     return str(path)
@@ -126,6 +126,11 @@ def test_update_weights_changes_version_and_outputs(engine, router, models) -> N
     with pytest.raises(EngineError) as err:
         engine.update_weights_from_disk(str(Path(models[0]).parent / "missing"), weight_version="3")
     assert err.value.status == 400 and engine.model_info()["weight_version"] == "2"
+    other = _tiny(Path(models[0]).parent / "vocab48", 2, vocab=48)
+    with pytest.raises(EngineError) as err:  # shape mismatch: refused, model untouched
+        engine.update_weights_from_disk(other, weight_version="4")
+    assert "shape mismatch" in err.value.message and engine.model_info()["weight_version"] == "2"
+    assert client.generate([5, 6, 7], GREEDY)["output_ids"] == before["output_ids"]
     engine.update_weight_version("7")
     assert engine.server_info()["weight_version"] == "7"
 
@@ -138,7 +143,7 @@ def _generate_in_thread(client: EngineClient, body: dict) -> tuple[threading.Thr
 
 
 def test_pause_modes(engine) -> None:
-    long = {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True}}
+    long = {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 1000, "temperature": 0.0, "ignore_eos": True}}
     # abort: the running request ends with finish_reason abort
     t, box = _generate_in_thread(engine, long)
     time.sleep(0.5)
