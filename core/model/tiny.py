@@ -42,7 +42,10 @@ def build_tokenizer() -> Any:
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()  # join characters back without spaces
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>")
+    # unk_token is explicit: AutoTokenizer loads qwen2 folders as Qwen2Tokenizer, which would
+    # otherwise add an out-of-vocabulary <|endoftext|> token as its unk.
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>",
+                                   unk_token="<pad>")
 
 
 def _model_config(cfg: TinyModelConfig, tokenizer: Any) -> Any:
