@@ -25,11 +25,7 @@ class PreparedCampaign:
 def _check_dataset(path: str, key: str, recipe: Recipe) -> None:
     if path.startswith("builtin:"):
         return  # generated deterministically on first use
-    try:
-        load_rows(path, recipe.data.prompt_key, recipe.data.label_key)
-    except FileNotFoundError:
-        raise ValueError(f"{key}: dataset {path} does not exist; fix the path in the recipe or "
-                         f"--set {key}=...") from None
+    load_rows(path, recipe.data.prompt_key, recipe.data.label_key, setting=key)
 
 
 def validate_resources(recipe: Recipe) -> None:

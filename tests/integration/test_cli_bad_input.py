@@ -17,7 +17,7 @@ def _run(tmp_path, *args):
 @pytest.mark.parametrize("args,expected", [
     (["--set", "train.lrr=0.1"], "unknown key `train.lrr`"),
     (["--set", "campaign.num_blocks=many"], "`campaign.num_blocks`"),
-    (["--set", "data.train_path=/nonexistent/train.jsonl"], "data.train_path: dataset /nonexistent/train.jsonl does not exist"),
+    (["--set", "data.train_path=/nonexistent/train.jsonl"], "data.train_path: dataset `/nonexistent/train.jsonl` does not exist"),
     (["--set", "reward.function=no_such_module:score"], "reward.function `no_such_module:score`: cannot import"),
     (["--set", "reward.function=./nope.py:score"], "file nope.py does not exist"),
     (["--set", "train.lr"], "expected dotted.key=value"),
