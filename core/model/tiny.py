@@ -26,7 +26,7 @@ from milepost.core.data.arith import cache_root, make_rows
 log = logging.getLogger(__name__)
 
 # Bump when the build procedure changes, so caches made by an older procedure are not reused.
-BUILD_VERSION = 2
+BUILD_VERSION = 3
 CHARS = list("0123456789+= ")
 SPECIALS = ["<pad>", "<eos>"]  # ids 0 and 1; prompts need no <bos>, the model learns from "a+b="
 REPORT_FILE = "milepost_build.json"
@@ -58,12 +58,27 @@ def _model_config(cfg: TinyModelConfig, tokenizer: Any) -> Any:
                        bos_token_id=tokenizer.eos_token_id, torch_dtype="float32")
 
 
-def _warmstart_batch(rows: list[dict[str, str]], tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """prompt + label + eos, right-padded; the mask selects label and eos tokens only."""
+UNSIMPLIFIED_SUFFIX = "+0"
+
+
+def warmstart_targets(rows: list[dict[str, str]], unsimplified_fraction: float, seed: int) -> list[str]:
+    """The answers the warm-start imitates: the label, or (for a seeded `unsimplified_fraction`
+    of rows) the label written unsimplified as `<label>+0`, which exact match rejects.
+
+    This is the imperfect supervised data RL is for: the base policy knows the sums but often
+    writes them in a form the reward does not accept, so it is right only sometimes."""
+    import random
+    rng = random.Random(f"{seed}-unsimplified")
+    return [row["label"] + (UNSIMPLIFIED_SUFFIX if rng.random() < unsimplified_fraction else "")
+            for row in rows]
+
+
+def _warmstart_batch(rows: list[dict[str, str]], targets: list[str], tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """prompt + target + eos, right-padded; the mask selects target and eos tokens only."""
     ids, masks = [], []
-    for row in rows:
+    for row, target in zip(rows, targets):
         p = tokenizer.encode(row["prompt"], add_special_tokens=False)
-        a = tokenizer.encode(row["label"], add_special_tokens=False) + [tokenizer.eos_token_id]
+        a = tokenizer.encode(target, add_special_tokens=False) + [tokenizer.eos_token_id]
         ids.append(p + a)
         masks.append([0] * len(p) + [1] * len(a))
     width = max(map(len, ids))
@@ -76,13 +91,14 @@ def warmstart(model: Any, tokenizer: Any, cfg: TinyModelConfig, seed: int) -> fl
     """Short supervised training on the answers only, so RL starts sometimes right."""
     bs = cfg.warmstart_batch_size
     rows = make_rows(cfg.warmstart_steps * bs, seed=seed + 1000, split="train")
+    targets = warmstart_targets(rows, cfg.warmstart_unsimplified_fraction, seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmstart_lr)
     # Cosine decay + clipping: a constant lr made the final accuracy swing 5%..60% across seeds.
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / max(1, cfg.warmstart_steps))))
     loss_value = float("nan")
     model.train()
     for step in range(cfg.warmstart_steps):
-        x, m = _warmstart_batch(rows[step * bs:(step + 1) * bs], tokenizer)
+        x, m = _warmstart_batch(rows[step * bs:(step + 1) * bs], targets[step * bs:(step + 1) * bs], tokenizer)
         logits = model(input_ids=x).logits[:, :-1]
         nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                                 x[:, 1:].reshape(-1), reduction="none")
