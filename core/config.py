@@ -34,7 +34,7 @@ class TinyModelConfig(Section):
     warmstart_batch_size: int = Field(64, ge=1)
     warmstart_lr: float = Field(1e-3, gt=0, description="Peak of a cosine-decayed schedule.")
     warmstart_unsimplified_fraction: float = Field(
-        0.5, ge=0.0, le=1.0,
+        0.6, ge=0.0, le=1.0,
         description="Share of warm-start answers written unsimplified (`125+0`), which the "
                     "exact-match reward rejects: the base policy is right only sometimes.")
 

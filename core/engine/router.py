@@ -21,6 +21,17 @@ class RouterError(RuntimeError):
     pass
 
 
+def _die_with_parent() -> None:
+    """Runs in the router child before exec: SIGKILL it when its parent dies, so a driver
+    killed with SIGKILL (no finally, no atexit) never leaves its router behind (Linux only)."""
+    import ctypes
+    import signal
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: Router.stop() still stops it on every normal exit
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
@@ -63,7 +74,8 @@ class Router:
                "--prometheus-host", ip, "--prometheus-port", str(prom_port), "--policy", policy,
                "--worker-urls", *workers]
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    preexec_fn=_die_with_parent)
         router = cls(proc, f"http://{_url_host(ip)}:{port}", log_path, workers)
         try:
             router._wait_ready(timeout_s)
