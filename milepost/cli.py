@@ -65,6 +65,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call drowns the progress
     args = build_parser().parse_args(argv)
     try:
         return {"run": _cmd_run, "status": _cmd_status}[args.command](args)

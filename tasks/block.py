@@ -46,8 +46,16 @@ class BlockRunner:
                 outputs = getattr(self, f"stage_{stage}")(block)
                 self.store.write_stage_record(block, stage, {
                     "state": "done", "started_at": started, "finished_at": _now(), **outputs})
+            self._report_eval(block)
         finally:
             self.stage_teardown(block)
+
+    def _report_eval(self, block: int) -> None:
+        accuracy = self.store.stage_record(block, "evaluate")["eval"]["accuracy"]
+        base = self.store.read_json("base_eval.json")["accuracy"] if self.store.exists("base_eval.json") else None
+        versus = f" (base policy {base:.3f}, {accuracy - base:+.3f})" if base is not None else ""
+        log.info("block %d of %d: held-out accuracy %.3f%s", block + 1, self.recipe.campaign.num_blocks,
+                 accuracy, versus)
 
     def _last_step(self, block: int) -> int:
         return (block + 1) * self.recipe.campaign.steps_per_block
