@@ -4,7 +4,8 @@ Gradient arithmetic: every micro-batch's loss is rl_loss(..., token_normalizer =
 tokens of the step), so summing over micro-batches and ranks gives the full-batch token mean.
 DDP averages gradients over ranks, so each rank backpropagates loss * world_size. Every rank
 runs the same number of micro-batches (short ranks run zero-loss padding micro-batches) so
-the DDP allreduce of the last one lines up; the others run under no_sync.
+the DDP allreduce of the last one lines up; the others run under no_sync. Metrics add up
+over micro-batches and ranks, except keys ending in `_max`, which reduce by max.
 
 Checkpoint folder (save_state): model.pt + scheduler.pt (rank 0), optim_rank{r}.pt and
 rng_rank{r}.pt (each rank), meta.json (driver).
@@ -132,6 +133,10 @@ class RankWorker:
                                 batch["loss_mask"], self.algo_cfg, normalizer, ref_logprobs=ref,
                                 entropy=entropy)
         (loss * self.world_size).backward()
+        mask = batch["loss_mask"].bool()
+        if mask.any():  # engine vs trainer logprobs of the same weights: TIS and on-policy hinge on it
+            gap = (logprobs.detach() - batch["engine_logprobs"]).abs()[mask].max()
+            metrics["train/engine_logprob_diff_max"] = float(gap)
         return float(loss.detach()), metrics
 
     def train(self, samples: list[Sample], n_micro: int, normalizer: float) -> dict[str, float]:
@@ -145,7 +150,7 @@ class RankWorker:
                 loss, metrics = self._micro_batch(chunk, normalizer)
             totals["train/loss"] += loss
             for k, v in metrics.items():
-                totals[k] = totals.get(k, 0.0) + v
+                totals[k] = max(totals.get(k, v), v) if k.endswith("_max") else totals.get(k, 0.0) + v
         grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.train_cfg.grad_clip)
         totals["train/grad_norm"] = float(grad_norm)
         totals["train/lr"] = float(self.scheduler.get_last_lr()[0])
@@ -219,7 +224,8 @@ class TorchBackend:
         num_tokens = count_loss_tokens(samples)
         normalizer = float(max(1, num_tokens))
         per_rank = ray.get([a.train.remote(s, n_micro, normalizer) for a, s in zip(self.actors, shards)])
-        metrics = {k: sum(m[k] for m in per_rank) for k in per_rank[0]}
+        keys = {k for m in per_rank for k in m}
+        metrics = {k: (max if k.endswith("_max") else sum)(m[k] for m in per_rank if k in m) for k in keys}
         metrics["train/grad_norm"] = per_rank[0]["train/grad_norm"]  # equal on every rank
         metrics["train/lr"] = per_rank[0]["train/lr"]
         metrics["train/num_tokens"] = float(num_tokens)
