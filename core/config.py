@@ -124,7 +124,12 @@ class CheckpointConfig(Section):
 
 
 class LoopConfig(Section):
-    max_staleness: int = Field(0, ge=0, description="0: synchronous on-policy. k>0: async (not yet).")
+    max_staleness: int = Field(
+        0, ge=0, description="0: synchronous on-policy. k>0: rollout runs up to k policy versions "
+                             "ahead of training, overlapping with it.")
+    on_stale: Literal["regenerate", "drop"] = Field(
+        "regenerate", description="A rollout older than the bound (after a resume with a smaller "
+                                  "bound) is generated again, or dropped with its prompts.")
 
 
 class EvalConfig(Section):
@@ -153,10 +158,5 @@ class Recipe(Section):
             raise ValueError(
                 f"rollout.num_samples_per_prompt must be >= 2 for advantage `{self.algo.advantage}` "
                 f"(group baselines need several samples); got {self.rollout.num_samples_per_prompt}"
-            )
-        if self.loop.max_staleness > 0:
-            raise ValueError(
-                f"loop.max_staleness={self.loop.max_staleness}: asynchronous training is not available "
-                "yet; set loop.max_staleness=0"
             )
         return self

@@ -23,7 +23,8 @@ def _restore(runner: Any, backend: Any) -> LoopState:
     backend.load_state(str(latest.path / "trainer"))
     s = latest.state
     return LoopState(step=s["step"], policy_version=s["policy_version"], cursor=s["cursor"],
-                     metrics=s["metrics"], model_sha256=s["model_sha256"])
+                     metrics=s["metrics"], model_sha256=s["model_sha256"],
+                     rollout_chunks=s.get("rollout_chunks", []))
 
 
 def run_train_stage(runner: Any, block: int) -> dict[str, Any]:
