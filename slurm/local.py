@@ -1,0 +1,86 @@
+"""LocalExecutor: the embedded default. Each task is a local process tree started by
+submitit's local controller (`python -m submitit.local._local`), which runs the pickled
+task exactly as a Slurm job would, relays the preemption signal and restarts a
+`CheckpointableStage` that asked to be requeued.
+
+The job id is the controller's pid. Handles cannot be re-attached from another process:
+the controller is a child of the submitting process, which is the only one that can
+reap it and read its exit status.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import submitit
+from submitit.core.utils import pickle_load
+
+from milepost.slurm.executor import SubmititJobHandle, Task, as_function
+from milepost.slurm.options import Resources
+from milepost.slurm.state import JobState, Outcome
+
+
+class LocalJobHandle(SubmititJobHandle):
+    def __init__(self, job: submitit.Job, time_limit_s: float) -> None:
+        super().__init__(job)
+        self._started = time.monotonic()
+        self._time_limit_s = time_limit_s
+        self._cancelled = False
+
+    def state(self) -> JobState:
+        process = self._job._process
+        assert process is not None, "a local job handle only lives in the process that submitted it"
+        if process.poll() is None:
+            return JobState(self.job_id, Outcome.RUNNING, "RUNNING")
+        return JobState(self.job_id, self._ended_outcome(), "", str(process.returncode))
+
+    def _ended_outcome(self) -> Outcome:
+        result = self._job.paths.result_pickle
+        if result.exists():
+            return Outcome.DONE if pickle_load(result)[0] == "success" else Outcome.FAILED
+        if self._cancelled:
+            return Outcome.CANCELLED
+        # The controller stops the task at the time limit without writing a result.
+        if time.monotonic() - self._started >= self._time_limit_s:
+            return Outcome.TIMEOUT
+        return Outcome.FAILED
+
+    def cancel(self) -> None:
+        # Recorded first: a cancelled task leaves no result, like a crashed one.
+        self._cancelled = True
+        self._job.cancel()  # SIGINT to the controller, which stops its tasks
+
+    def wait(self, timeout_s: float | None = None, interval_s: float = 0.1) -> JobState:
+        return super().wait(timeout_s, interval_s)
+
+
+class LocalExecutor:
+    """Runs tasks as local processes, one machine, through the same interface as Slurm."""
+
+    name = "local"
+
+    def __init__(self, root: str | Path, default_time_min: int = 7 * 24 * 60,
+                 max_num_requeues: int = 3) -> None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.folder = Path(root).resolve() / f"{stamp}-{uuid.uuid4().hex[:8]}"
+        self.folder.mkdir(parents=True)
+        self.default_time_min = default_time_min
+        self._executor = submitit.LocalExecutor(folder=self.folder / "%j", max_num_timeout=max_num_requeues)
+
+    def submit(self, task: Task, *args: Any, resources: Resources | None = None,
+               name: str | None = None, **kwargs: Any) -> LocalJobHandle:
+        resources = resources or Resources()
+        if (resources.nodes or 1) > 1:
+            raise ValueError(f"the local executor runs on one machine; nodes={resources.nodes} "
+                             "needs `cluster.executor: slurm`")
+        fn = as_function(task, args)
+        time_min = resources.time_min or self.default_time_min
+        # `name` is Slurm's job name; local processes are found by the job id (pid).
+        del name
+        self._executor.update_parameters(
+            timeout_min=time_min, tasks_per_node=resources.tasks_per_node or 1,
+            gpus_per_node=resources.gpus_per_node or 0)
+        return LocalJobHandle(self._executor.submit(fn, *args, **kwargs), time_min * 60.0)
