@@ -72,6 +72,14 @@ class RolloutConfig(Section):
     request_timeout_s: float = Field(300.0, gt=0)
     engine_startup_timeout_s: float = Field(180.0, gt=0)
     router_policy: Literal["round_robin", "cache_aware", "power_of_two"] = "round_robin"
+    max_engine_restarts: int = Field(
+        2, ge=0, description="Engine restarts the fleet may make in one stage; one more death fails it.")
+    health_check_interval_s: float = Field(
+        5.0, gt=0, description="Seconds between /health_generate checks of each serving engine.")
+    health_failure_threshold: int = Field(
+        3, ge=1, description="Consecutive failed health checks that declare a live engine dead.")
+    health_check_timeout_s: float = Field(
+        30.0, gt=0, description="Timeout of one /health_generate (it waits behind the running batch).")
 
 
 class RewardConfig(Section):
@@ -114,8 +122,11 @@ class TrainConfig(Section):
 
 
 class SyncConfig(Section):
-    transport: Literal["disk"] = "disk"
-    timeout_s: float = Field(120.0, gt=0)
+    transport: Literal["disk", "tensor", "distributed"] = Field(
+        "disk", description="disk: HF export + /update_weights_from_disk. tensor (colocated): /dev/shm "
+                            "buckets. distributed (disaggregated): broadcast from trainer rank 0.")
+    timeout_s: float = Field(120.0, gt=0, description="Bound on one push attempt, every step included.")
+    bucket_mb: float = Field(512.0, gt=0, description="Bucket size of the tensor and distributed transports.")
 
 
 class CheckpointConfig(Section):

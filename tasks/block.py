@@ -76,12 +76,9 @@ class BlockRunner:
         serve_path = str(latest.path / "hf") if latest else self.model_path
         version = str(latest.state["policy_version"]) if latest else "0"
         self.fleet = Fleet.start(serve_path, self.recipe.rollout.num_engines, self.recipe.rollout, version)
-        from milepost.core.engine.client import EngineClient
         unhealthy = [url for url, ok in self.fleet.health_check().items() if not ok]
         if unhealthy:
             raise RuntimeError(f"engines failed their health check: {unhealthy}")
-        # Data-plane calls go through the router; control calls go to each engine (fleet.clients).
-        self.fleet.router_client = EngineClient(self.fleet.router_url, self.recipe.rollout.request_timeout_s)
         if version == "0" and not self.store.exists("base_eval.json"):
             self.store.write_json("base_eval.json", record_base_eval(self.recipe, self.fleet, self.model_path))
         return {"engine_urls": self.fleet.engine_urls, "router_url": self.fleet.router_url,

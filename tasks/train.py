@@ -8,6 +8,7 @@ from typing import Any
 from tqdm import tqdm
 
 from milepost.core.data.source import DataCursor, PromptSource, load_rows
+from milepost.core.engine.fleet import FleetTransport
 from milepost.core.loop import LoopState, RLLoop
 from milepost.core.model.loading import load_tokenizer
 from milepost.core.reward import RewardEvaluator, resolve_reward_fn
@@ -61,7 +62,7 @@ def run_train_stage(runner: Any, block: int) -> dict[str, Any]:
                       rollout_fn=resolve_rollout_fn(recipe.rollout.function),
                       rewards=RewardEvaluator(resolve_reward_fn(recipe.reward.function),
                                               recipe.reward.num_workers),
-                      transport=build_transport(recipe.sync.transport),
+                      transport=FleetTransport(runner.fleet, build_transport(recipe.sync.transport)),
                       checkpoints=runner.checkpoints,
                       exports_dir=Path(store.local_path("exports", "steps")),
                       stop_token_ids=[tokenizer.eos_token_id],
@@ -69,7 +70,9 @@ def run_train_stage(runner: Any, block: int) -> dict[str, Any]:
                       state=state, on_metrics=on_metrics)
         loop.run_until(last_step)
         bar.close()
+        runner.fleet.raise_if_failed()
         return {"steps": [block_first, last_step], "model_sha256": loop.state.model_sha256,
-                "policy_version": loop.state.policy_version}
+                "policy_version": loop.state.policy_version,
+                "engine_restarts": runner.fleet.restart_events()}
     finally:
         backend.shutdown()

@@ -1,7 +1,15 @@
 """The real sglang-router, run as a subprocess in front of the engines.
 
 Measured constraints (../shared/FACTS.md): `--host` must be an IP literal, both hosts
-default to 0.0.0.0, worker registration is asynchronous (poll GET /workers).
+default to 0.0.0.0, worker registration is asynchronous (poll GET /workers), dead workers
+are only marked, never removed (DELETE /workers/{id}).
+
+Failure flags (`FAILURE_FLAGS`): the router retries connect errors, resets and 5xx on
+another worker by itself (a request in flight on a SIGKILLed engine comes back 200 from
+the peer, measured). Its own health check runs every 1 s and marks a worker dead after 2
+misses, so requests stop going to a dead engine before the fleet supervisor removes it;
+the circuit breaker re-admits a worker after 5 s instead of 60 s. A restarted engine gets
+a new URL and a fresh breaker, so it is routable as soon as it is listed.
 """
 
 from __future__ import annotations
@@ -19,6 +27,10 @@ import httpx
 
 class RouterError(RuntimeError):
     pass
+
+
+FAILURE_FLAGS = ["--health-check-interval-secs", "1", "--health-failure-threshold", "2",
+                 "--health-check-timeout-secs", "5", "--cb-timeout-duration-secs", "5"]
 
 
 def _die_with_parent() -> None:
@@ -57,7 +69,9 @@ def _ip_url(url: str) -> str:
 
 
 class Router:
-    """Handle on one router process. Not thread-safe: one owner starts and stops it."""
+    """Handle on one router process. One owner starts and stops it; `add_worker` and
+    `remove_worker` may run in the fleet supervisor's threads meanwhile: they only call the
+    router's HTTP API and append to / remove from `worker_urls` (atomic list operations)."""
 
     def __init__(self, proc: subprocess.Popen, url: str, log_path: str, worker_urls: list[str]) -> None:
         self.proc, self.url, self.log_path, self.worker_urls = proc, url, log_path, worker_urls
@@ -72,7 +86,7 @@ class Router:
         log_path = log_path or os.path.join(tempfile.mkdtemp(prefix="milepost-router-"), "router.log")
         cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", ip, "--port", str(port),
                "--prometheus-host", ip, "--prometheus-port", str(prom_port), "--policy", policy,
-               "--worker-urls", *workers]
+               *FAILURE_FLAGS, "--worker-urls", *workers]
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     preexec_fn=_die_with_parent)
@@ -105,8 +119,47 @@ class Router:
             return None
         if reply.status_code != 200:
             return None
-        listed = reply.text
+        try:
+            listed = {w.get("url") for w in reply.json().get("workers", [])}
+        except (ValueError, AttributeError):
+            return None
         return [u for u in self.worker_urls if u not in listed]
+
+    def workers(self) -> list[dict]:
+        """GET /workers: [{"id", "url", "is_healthy", …}]."""
+        reply = httpx.get(f"{self.url}/workers", timeout=5.0)
+        reply.raise_for_status()
+        return list(reply.json().get("workers", []))
+
+    def add_worker(self, url: str, timeout_s: float = 60.0) -> None:
+        """POST /workers, then wait until GET /workers lists it healthy (registration is async)."""
+        url = _ip_url(url)
+        reply = httpx.post(f"{self.url}/workers", json={"url": url, "worker_type": "regular"}, timeout=10.0)
+        if reply.status_code >= 400:
+            raise RouterError(f"router refused worker {url}: {reply.status_code} {reply.text[:300]}")
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if any(w.get("url") == url and w.get("is_healthy", True) for w in self._try_workers()):
+                self.worker_urls.append(url)
+                return
+            time.sleep(0.1)
+        raise RouterError(f"worker {url} not listed healthy by the router in {timeout_s:.0f}s:\n{self.log_tail()}")
+
+    def remove_worker(self, url: str) -> bool:
+        """DELETE every entry of `url`; False if the router did not list it."""
+        url = _ip_url(url)
+        ids = [w["id"] for w in self._try_workers() if w.get("url") == url and "id" in w]
+        for worker_id in ids:
+            httpx.delete(f"{self.url}/workers/{worker_id}", timeout=10.0)
+        if url in self.worker_urls:
+            self.worker_urls.remove(url)
+        return bool(ids)
+
+    def _try_workers(self) -> list[dict]:
+        try:
+            return self.workers()
+        except (httpx.HTTPError, ValueError):
+            return []
 
     def log_tail(self, n_bytes: int = 4000) -> str:
         try:
