@@ -7,7 +7,9 @@ Runs `milepost run` twice, one campaign each, with identical recipes but for
 - step_s: the trainer's wall time per step (waiting for rollout + filter + advantages +
   train + weight sync);
 - rollout_s: the producer's time to generate and score the step's chunk;
-- train_s: train + weight sync (the trainer's own busy time).
+- train_s: train + weight sync (the trainer's own busy time);
+- regen: share of steps whose chunk a weight push cut mid-generation, so it was generated
+  again (pushes pause engines in `abort` mode).
 Prints mean step time of each, the speed-up sync/async, and the async run's overlap
 efficiency max(rollout_s, train_s) / step_s (1.0 = rollout fully hidden behind training or
 the reverse). The first step of each block is left out: it cannot overlap with anything.
@@ -51,7 +53,8 @@ def summarize(rows: list[dict]) -> dict[str, float]:
     train_s = statistics.mean(r["timing/train_s"] + r["timing/weight_sync_s"] for r in rows)
     return {"step_s": mean("timing/step_s"), "rollout_s": mean("timing/rollout_s"), "train_s": train_s,
             "wait_s": mean("timing/wait_rollout_s"), "staleness_max": max(r["rollout/staleness"] for r in rows),
-            "reward_last": rows[-1]["rollout/reward_mean"]}
+            "reward_last": rows[-1]["rollout/reward_mean"],
+            "regenerated": sum(r["rollout/num_generations"] > 1 for r in rows) / len(rows)}
 
 
 def main() -> None:
@@ -68,10 +71,10 @@ def main() -> None:
     sync, asyn = results[0], results[1]
     lines = [f"# bench/async_vs_sync.py --steps {a.steps} {' '.join('--set ' + s for s in a.extra)}",
              f"# recipe: recipes/tiny-arith.yaml with {' '.join(DEFAULTS)}",
-             f"{'max_staleness':>13} {'step_s':>8} {'rollout_s':>9} {'train_s':>8} {'wait_s':>7} {'stale_max':>9} {'wall_s':>7}"]
+             f"{'max_staleness':>13} {'step_s':>8} {'rollout_s':>9} {'train_s':>8} {'wait_s':>7} {'stale_max':>9} {'regen':>6} {'wall_s':>7}"]
     for k, r in results.items():
         lines.append(f"{k:>13} {r['step_s']:8.3f} {r['rollout_s']:9.3f} {r['train_s']:8.3f} {r['wait_s']:7.3f} "
-                     f"{r['staleness_max']:9.0f} {r['wall_s']:7.1f}")
+                     f"{r['staleness_max']:9.0f} {r['regenerated']:6.2f} {r['wall_s']:7.1f}")
     overlap = max(asyn["rollout_s"], asyn["train_s"]) / asyn["step_s"]
     lines.append(f"speed-up sync/async (step time): {sync['step_s'] / asyn['step_s']:.2f}x")
     lines.append(f"async overlap efficiency max(rollout_s, train_s) / step_s: {overlap:.2f}")

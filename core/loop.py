@@ -133,6 +133,7 @@ class RLLoop:
         samples = chunk.samples or []
         rollout_metrics = summarize_rollout(samples)
         rollout_metrics["rollout/staleness"] = float(self.state.policy_version - chunk.min_version)
+        rollout_metrics["rollout/num_generations"] = float(chunk.num_generations)
         rollout_metrics["rollout/dropped_stale_prompts"] = float(len(chunk.prompts) if chunk.dropped_stale else 0)
         with span(timings, "filter"):
             kept, filter_metrics = filter_groups(samples, r.filters)

@@ -47,6 +47,7 @@ class Chunk:
     min_version: int = 0  # oldest policy version that produced any of its tokens
     rollout_s: float = 0.0
     in_progress: bool = False  # claimed by the producer
+    num_generations: int = 0  # > 1 when a weight push cut it and it was generated again
     dropped_stale: bool = False
 
     def to_dict(self) -> dict[str, Any]:
@@ -166,6 +167,7 @@ class RolloutAhead:
                 samples = self.generate(chunk.index, chunk.prompts)
                 with self._cv:
                     chunk.in_progress = False
+                    chunk.num_generations += 1
                     if any(s.finish_reason == "abort" for s in samples):
                         continue  # cut by a weight push: generate it again, same seed
                     versions = [int(s.weight_version) for s in samples if s.weight_version.isdigit()]

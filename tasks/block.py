@@ -1,54 +1,137 @@
 """One block: launch_ray → rollout → train → sync → evaluate, then teardown whatever happened.
 
-Each stage reads its record first: done → skipped. Stages that own live resources (the Ray
-cluster, the fleet) are recreated by a new `milepost run`, because on the embedded default
-those resources die with the process; their records say what was served, for the operator.
+Every stage is its own job submitted through the executor interface (`cluster.executor`:
+local processes, or Slurm jobs) running `milepost.tasks.stage.run_stage`; this driver only
+submits, waits and reports. Stages share nothing in memory: they read and write the store.
+
+On Slurm, each stage is a small one-node sbatch job (submitit, job name `mp-<stage>-b<N>`)
+that joins the allocation's Ray head by its recorded address; the allocation itself is the
+job `mp-ray-b<N>`. Why not `srun --jobid=<allocation> --overlap` steps: launch_ray cannot
+be a step of the allocation it creates, teardown must run while (and after) the allocation
+is cancelled, and a step cannot be requeued on its own. Separate jobs go through the one
+executor interface, are requeued by Slurm on a node failure, and appear in `sacct` by name.
+On the dev cluster they fit beside the allocation (each node has 2 CPUs; the allocation
+holds 1 per node).
+
+A block left unfinished by a killed `milepost run` (its launch_ray record not `released`)
+is torn down first from its records (the old Ray cluster, the old fleet, stage jobs still
+running), then launched again: train resumes from the last committed checkpoint, and
+done train/sync/evaluate records are kept.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
 
-import ray
-
-from milepost.core.checkpoint import CheckpointManager
 from milepost.core.config import Recipe
 from milepost.core.store import CampaignStore
+from milepost.tasks.context import campaign_id
+from milepost.tasks.stage import DRIVER_PID_ENV, run_stage
 
 log = logging.getLogger(__name__)
 
+BLOCK_STAGES = ("launch_ray", "rollout", "train", "sync", "evaluate")
 
-def _now() -> float:
-    return round(time.time(), 3)
+
+def build_executor(recipe: Recipe, store: CampaignStore) -> Any:
+    """The executor of the recipe's `cluster` section; job folders go under <campaign>/jobs."""
+    root = Path(store.local_path("jobs"))
+    if recipe.cluster.executor == "slurm":
+        from milepost.slurm.slurm_executor import SlurmExecutor
+        os.environ.pop(DRIVER_PID_ENV, None)  # Slurm stage jobs outlive the driver by design
+        # Stage jobs are one-node jobs; only the Ray allocation spans `cluster.num_nodes`.
+        return SlurmExecutor(root, recipe.cluster.slurm.model_copy(update={"nodes": 1}))
+    from milepost.slurm.local import LocalExecutor
+    # Local stage jobs die with this process (see stage._die_with_driver).
+    os.environ[DRIVER_PID_ENV] = str(os.getpid())
+    return LocalExecutor(root)
+
+
+class StageFailed(RuntimeError):
+    pass
 
 
 class BlockRunner:
     def __init__(self, recipe: Recipe, store: CampaignStore, show_progress: bool = True) -> None:
         self.recipe, self.store, self.show_progress = recipe, store, show_progress
-        self.checkpoints = CheckpointManager(store.local_path("checkpoints"), recipe.checkpoint.keep_last)
-        self.fleet: Any = None
-        self.model_path: str | None = None
+        self.url = campaign_id(store.url)
+        self.executor = build_executor(recipe, store)
 
     # --- the block ------------------------------------------------------------------------
     def run_block(self, block: int) -> None:
         if (self.store.stage_record(block, "evaluate") or {}).get("state") == "done":
             log.info("block %d already done", block)
             return
+        launch = self.store.stage_record(block, "launch_ray")
+        if launch and launch.get("state") != "released":
+            log.info("block %d: releasing what a previous run left (%s)", block, launch.get("mode"))
+            self.teardown(block)
+        retries = self.recipe.cluster.max_block_retries
+        for attempt in range(retries + 1):
+            try:
+                self._run_stages(block)
+                break
+            except StageFailed as e:
+                if attempt == retries:
+                    raise
+                log.warning("block %d: %s; tearing the block down and launching it again (%d/%d)",
+                            block, e, attempt + 1, retries)
+            finally:
+                self.teardown(block)
+        self._report_eval(block)
+
+    def _run_stages(self, block: int) -> None:
+        timings: dict[str, Any] = {"executor": self.executor.name, "stages": {}}
+        for stage in BLOCK_STAGES:
+            timings["stages"][stage] = self._run(block, stage)
+            self.store.write_json(f"blocks/{block:06d}/timings.json", timings)
+
+    def _run(self, block: int, stage: str) -> dict[str, float]:
+        """Submit one stage job and wait for it; its driver-side timings."""
+        from milepost.slurm.executor import JobError
+
+        submitted = time.time()
+        job = self.executor.submit(run_stage, self.url, block, stage, name=f"mp-{stage}-b{block}")
+        log.info("block %d: %s submitted (%s job %s)", block, stage, self.executor.name, job.job_id)
         try:
-            for stage in ("launch_ray", "rollout", "train", "sync", "evaluate"):
-                record = self.store.stage_record(block, stage)
-                if record and record.get("state") == "done" and stage in ("sync", "evaluate", "train"):
-                    continue
-                started = _now()
-                outputs = getattr(self, f"stage_{stage}")(block)
-                self.store.write_stage_record(block, stage, {
-                    "state": "done", "started_at": started, "finished_at": _now(), **outputs})
-            self._report_eval(block)
-        finally:
-            self.stage_teardown(block)
+            if stage == "train" and self.show_progress:
+                self._show_progress(block, job)
+            record = job.result()
+        except JobError as e:
+            raise StageFailed(f"block {block} stage {stage} failed ({self.executor.name} job {job.job_id}): "
+                               f"{e}\nstage log: {job.stderr_path}") from e
+        returned = time.time()
+        log.info("block %d: %s done in %.1fs", block, stage, returned - submitted)
+        return {"job_id": job.job_id, "submitted_at": submitted, "started_at": record.get("started_at", 0.0),
+                "finished_at": record.get("finished_at", 0.0), "returned_at": returned}
+
+    def _show_progress(self, block: int, job: Any) -> None:
+        """A progress bar of the train stage job, read from the block's metrics file."""
+        from tqdm import tqdm
+
+        first = block * self.recipe.campaign.steps_per_block
+        with tqdm(total=self.recipe.campaign.steps_per_block, desc=f"block {block}") as bar:
+            while not job.state().outcome.terminal:
+                rows = self.store.read_metrics(block)
+                bar.n = max(0, (rows[-1]["step"] - first) if rows else 0)
+                if rows:
+                    bar.set_postfix(reward=f"{rows[-1].get('rollout/reward_mean', float('nan')):.3f}")
+                bar.refresh()
+                time.sleep(1.0)
+
+    def teardown(self, block: int) -> None:
+        """The teardown stage as a job; in this process if that job could not run (the
+        allocation must be released whatever happened)."""
+        try:
+            self._run(block, "teardown")
+        except Exception as e:  # noqa: BLE001 - fall back, then report
+            log.warning("block %d: teardown job failed (%s); tearing down from this process", block, e)
+            run_stage(self.url, block, "teardown")
 
     def _report_eval(self, block: int) -> None:
         accuracy = self.store.stage_record(block, "evaluate")["eval"]["accuracy"]
@@ -57,61 +140,8 @@ class BlockRunner:
         log.info("block %d of %d: held-out accuracy %.3f%s", block + 1, self.recipe.campaign.num_blocks,
                  accuracy, versus)
 
-    def _last_step(self, block: int) -> int:
-        return (block + 1) * self.recipe.campaign.steps_per_block
 
-    # --- stages ---------------------------------------------------------------------------
-    def stage_launch_ray(self, block: int) -> dict[str, Any]:
-        if not ray.is_initialized():
-            ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-        return {"ray_address": ray.get_runtime_context().gcs_address}
-
-    def stage_rollout(self, block: int) -> dict[str, Any]:
-        from milepost.core.engine.fleet import Fleet
-        from milepost.core.evaluate import record_base_eval
-        from milepost.core.model.loading import resolve_model_path
-
-        latest = self.checkpoints.latest_valid()
-        self.model_path = resolve_model_path(self.recipe.model, self.recipe.seed)
-        serve_path = str(latest.path / "hf") if latest else self.model_path
-        version = str(latest.state["policy_version"]) if latest else "0"
-        self.fleet = Fleet.start(serve_path, self.recipe.rollout.num_engines, self.recipe.rollout, version)
-        unhealthy = [url for url, ok in self.fleet.health_check().items() if not ok]
-        if unhealthy:
-            raise RuntimeError(f"engines failed their health check: {unhealthy}")
-        if version == "0" and not self.store.exists("base_eval.json"):
-            self.store.write_json("base_eval.json", record_base_eval(self.recipe, self.fleet, self.model_path))
-        return {"engine_urls": self.fleet.engine_urls, "router_url": self.fleet.router_url,
-                "policy_version": version}
-
-    def stage_train(self, block: int) -> dict[str, Any]:
-        from milepost.tasks.train import run_train_stage
-
-        return run_train_stage(self, block)
-
-    def stage_sync(self, block: int) -> dict[str, Any]:
-        latest = self.checkpoints.latest_valid()
-        assert latest and latest.step == self._last_step(block), "train must commit the block's checkpoint"
-        import shutil
-        export = Path(self.store.local_path("exports", f"{latest.step:08d}"))
-        if not export.exists():
-            shutil.copytree(latest.path / "hf", export)
-        version = str(latest.state["policy_version"])
-        for client in self.fleet.clients:
-            served = str(client.model_info().get("weight_version"))
-            if served != version:
-                raise RuntimeError(f"{client.base_url} serves policy {served}, expected {version}")
-        return {"step": latest.step, "policy_version": version, "export_path": str(export)}
-
-    def stage_evaluate(self, block: int) -> dict[str, Any]:
-        from milepost.core.evaluate import evaluate_fleet
-
-        return {"eval": evaluate_fleet(self.recipe, self.fleet, self.model_path)}
-
-    def stage_teardown(self, block: int) -> None:
-        if self.fleet is not None:
-            self.fleet.stop()
-            self.fleet = None
-        if ray.is_initialized():
-            ray.shutdown()
-        self.store.write_stage_record(block, "teardown", {"state": "done", "finished_at": _now()})
+def stage_summary(store: CampaignStore, block: int) -> str:
+    """The block's driver-side timings, as JSON (for tools and benchmarks)."""
+    rel = f"blocks/{block:06d}/timings.json"
+    return json.dumps(store.read_json(rel) if store.exists(rel) else {}, indent=2)

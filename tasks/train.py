@@ -1,7 +1,12 @@
-"""The train stage: resume from the latest committed checkpoint, run the block's steps."""
+"""The train stage: resume from the latest committed checkpoint, run the block's steps.
+
+It joins the block's Ray cluster (the trainer ranks are actors of this stage's driver, so
+they die with it) and re-attaches to the fleet the rollout stage started, with a supervisor
+of its own that restarts dead engines for as long as the stage runs."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +20,11 @@ from milepost.core.reward import RewardEvaluator, resolve_reward_fn
 from milepost.core.rollout import resolve_rollout_fn
 from milepost.core.train.torch_backend import TorchBackend
 from milepost.core.weight_sync import build_transport
+from milepost.tasks.context import StageContext
 
 
-def _restore(runner: Any, backend: Any) -> LoopState:
-    latest = runner.checkpoints.latest_valid()
+def _restore(ctx: StageContext, backend: Any) -> LoopState:
+    latest = ctx.checkpoints.latest_valid()
     if latest is None:
         return LoopState()
     backend.load_state(str(latest.path / "trainer"))
@@ -28,19 +34,29 @@ def _restore(runner: Any, backend: Any) -> LoopState:
                      rollout_chunks=s.get("rollout_chunks", []))
 
 
-def run_train_stage(runner: Any, block: int) -> dict[str, Any]:
-    recipe, store = runner.recipe, runner.store
-    last_step = runner._last_step(block)
-    latest = runner.checkpoints.latest_valid()
+def run_train_stage(ctx: StageContext) -> dict[str, Any]:
+    recipe, store, block = ctx.recipe, ctx.store, ctx.block
+    last_step = ctx.last_step()
+    latest = ctx.checkpoints.latest_valid()
     if latest and latest.step >= last_step:
         return {"steps": [last_step - recipe.campaign.steps_per_block + 1, last_step], "resumed": True}
-    tokenizer = load_tokenizer(runner.model_path)
-    start_path = str(latest.path / "hf") if latest else runner.model_path
+    model_path = ctx.model_path()
+    tokenizer = load_tokenizer(model_path)
+    start_path = str(latest.path / "hf") if latest else model_path
+    fleet = ctx.attach_fleet()  # connects to the block's Ray cluster first
+    try:
+        return _train(ctx, fleet, tokenizer, start_path)
+    finally:
+        fleet.detach()
+
+
+def _train(ctx: StageContext, fleet: Any, tokenizer: Any, start_path: str) -> dict[str, Any]:
+    recipe, store, block, last_step = ctx.recipe, ctx.store, ctx.block, ctx.last_step()
     backend = TorchBackend.create(start_path, recipe.train, recipe.algo,
                                   temperature=recipe.rollout.temperature, seed=recipe.seed,
                                   total_steps=recipe.campaign.num_blocks * recipe.campaign.steps_per_block)
     try:
-        state = _restore(runner, backend)
+        state = _restore(ctx, backend)
         rows = load_rows(recipe.data.train_path, recipe.data.prompt_key, recipe.data.label_key,
                          builtin_rows=recipe.data.num_train_rows, seed=recipe.seed)
         cursor = (DataCursor.from_dict(state.cursor) if state.cursor
@@ -49,30 +65,34 @@ def run_train_stage(runner: Any, block: int) -> dict[str, Any]:
         block_first = last_step - recipe.campaign.steps_per_block + 1
         # Metrics after the checkpoint were never committed: rewrite the file from the checkpoint.
         store.write_metrics(block, [m for m in state.metrics if m["step"] >= block_first])
+        first_done: list[float] = []
         bar = tqdm(total=recipe.campaign.steps_per_block, initial=max(0, state.step - block_first + 1),
-                   desc=f"block {block}", disable=not runner.show_progress)
+                   desc=f"block {block}", disable=not ctx.show_progress)
 
         def on_metrics(row: dict[str, Any]) -> None:
+            if not first_done:  # for bench/results/slurm_overhead.txt: submission → first step
+                first_done.append(time.time())
+                ctx.update("train", first_step_done_at=first_done[0])
             store.write_metrics(block, [m for m in loop.state.metrics if m["step"] >= block_first])
             bar.update(1)
             bar.set_postfix(reward=f"{row['rollout/reward_mean']:.3f}")
 
-        loop = RLLoop(recipe, backend=backend, router=runner.fleet.router_client,
-                      engines=runner.fleet.clients, source=source,
+        loop = RLLoop(recipe, backend=backend, router=fleet.router_client,
+                      engines=fleet.clients, source=source,
                       rollout_fn=resolve_rollout_fn(recipe.rollout.function),
                       rewards=RewardEvaluator(resolve_reward_fn(recipe.reward.function),
                                               recipe.reward.num_workers),
-                      transport=FleetTransport(runner.fleet, build_transport(recipe.sync.transport)),
-                      checkpoints=runner.checkpoints,
+                      transport=FleetTransport(fleet, build_transport(recipe.sync.transport)),
+                      checkpoints=ctx.checkpoints,
                       exports_dir=Path(store.local_path("exports", "steps")),
                       stop_token_ids=[tokenizer.eos_token_id],
                       decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                       state=state, on_metrics=on_metrics)
         loop.run_until(last_step)
         bar.close()
-        runner.fleet.raise_if_failed()
+        fleet.raise_if_failed()
         return {"steps": [block_first, last_step], "model_sha256": loop.state.model_sha256,
                 "policy_version": loop.state.policy_version,
-                "engine_restarts": runner.fleet.restart_events()}
+                "engine_restarts": fleet.restart_events()}
     finally:
         backend.shutdown()

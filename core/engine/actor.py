@@ -15,7 +15,12 @@ from typing import Any
 
 import ray
 
-from milepost.core.engine.router import free_port
+from milepost.core.engine.router import Router, free_port
+
+
+def node_ip() -> str:
+    """The IP literal Ray knows this node by: what other nodes reach it at."""
+    return ray.util.get_node_ip_address()
 
 
 @ray.remote(num_cpus=0.5, max_restarts=0)
@@ -36,9 +41,10 @@ class EngineActor:
         self.thread: threading.Thread | None = None
         self.sched: Any = None  # the server's Scheduler, once its model load has begun
 
-    def launch(self, model_path: str, weight_version: str, max_batch_size: int, host: str = "127.0.0.1",
+    def launch(self, model_path: str, weight_version: str, max_batch_size: int, host: str | None = "127.0.0.1",
                load_delay_s: float = 0.0) -> tuple[str, int]:
         """Start the server thread; returns (url, pid) at once, before the model is loaded.
+        `host` None: this node's IP literal (engines of a multi-node cluster must be reachable).
 
         `load_delay_s` (tests only) delays the model load while the server already answers
         503, which is how a slow cold start looks to a health checker.
@@ -55,6 +61,7 @@ class EngineActor:
             load(sched)
 
         server.load_engine = load_and_keep  # this process runs exactly one engine
+        host = host or node_ip()
         port = free_port(host)
         print(f"engine pid {os.getpid()} serving {model_path} (version {weight_version}) on {host}:{port}",
               flush=True)
@@ -71,3 +78,24 @@ class EngineActor:
 
     def pid(self) -> int:
         return os.getpid()
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class RouterActor:
+    """The sglang-router process, owned by a (detached) actor so that it outlives the stage
+    that started it and dies with the block's Ray cluster: the router subprocess is SIGKILLed
+    when this actor's process dies (PR_SET_PDEATHSIG, see router.py)."""
+
+    def __init__(self, log_path: str) -> None:
+        self.log_path = log_path
+        self.router: Router | None = None
+
+    def start(self, worker_urls: list[str], policy: str, host: str | None) -> dict:
+        """Launch the router in front of `worker_urls`; {"url", "pid", "actor_pid", "log_path"}."""
+        self.router = Router.start(worker_urls, policy=policy, host=host or node_ip(), log_path=self.log_path)
+        return {"url": self.router.url, "pid": self.router.proc.pid, "actor_pid": os.getpid(),
+                "log_path": self.log_path}
+
+    def stop(self) -> None:
+        if self.router is not None:
+            self.router.stop()

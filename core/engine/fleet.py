@@ -4,6 +4,14 @@ supervisor that keeps the engines alive for the whole stage.
 The caller owns Ray (ray.init() before Fleet.start). Generation goes through the router;
 control calls (pause, weight updates) go to each engine through `Fleet.clients`, because
 the router does not forward them (../shared/FACTS.md).
+
+A fleet that must outlive the process that started it (one block stage starts it, later
+stages use it) is started `detached=True`: engines and the router's owner are detached,
+named Ray actors in the caller's namespace, `describe()` is the JSON document that finds
+them again, and `Fleet.attach(doc, cfg)` in another process re-attaches a supervisor to
+them. `on_change(doc)` is called whenever that document changes (an engine restarted, new
+weights served), so the caller can keep its record current. Such a fleet dies with its Ray
+cluster, or by `stop()`; `detach()` leaves it running.
 """
 
 from __future__ import annotations
@@ -11,17 +19,17 @@ from __future__ import annotations
 import contextlib
 import tempfile
 import threading
-from typing import Any, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import httpx
 import ray
 
 from milepost.core.config import RolloutConfig
-from milepost.core.engine.actor import EngineActor
+from milepost.core.engine.actor import EngineActor, RouterActor
 from milepost.core.engine.client import EngineClient
 from milepost.core.engine.retrying import RetryingClient
 from milepost.core.engine.router import Router
-from milepost.core.engine.supervisor import FleetError, FleetSupervisor
+from milepost.core.engine.supervisor import FleetError, FleetSupervisor, Slot
 
 __all__ = ["EngineActor", "Fleet", "FleetError", "FleetTransport"]
 
@@ -54,10 +62,14 @@ class Fleet:
     set while a push runs, so paused engines' slow health checks are not held against them.
     """
 
-    def __init__(self, model_path: str, weight_version: str, cfg: RolloutConfig, host: str,
-                 log_dir: str | None = None) -> None:
+    def __init__(self, model_path: str, weight_version: str, cfg: RolloutConfig, host: str | None,
+                 log_dir: str | None = None, detached: bool = False,
+                 on_change: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.base_model_path, self.base_weight_version = model_path, weight_version
-        self.cfg, self.host = cfg, host
+        self.cfg, self.host, self.detached, self.on_change = cfg, host, detached, on_change
+        self.router_actor: Any = None  # the RouterActor of a detached fleet
+        self.router_name: str | None = None
+        self.router_pid: int | None = None
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="milepost-fleet-")
         self.lock = threading.RLock()
         self.served: tuple[str, str] = (model_path, weight_version)
@@ -72,10 +84,12 @@ class Fleet:
 
     @classmethod
     def start(cls, model_path: str, num_engines: int, cfg: RolloutConfig, weight_version: str = "0",
-              host: str = "127.0.0.1", *, load_delay_s: float = 0.0, log_dir: str | None = None) -> "Fleet":
+              host: str | None = "127.0.0.1", *, load_delay_s: float = 0.0, log_dir: str | None = None,
+              detached: bool = False, on_change: Callable[[dict[str, Any]], None] | None = None) -> "Fleet":
         """Launch the engines, wait until each is healthy, start the router in front.
+        `host` None: each engine and the router bind their node's IP (multi-node clusters).
         `load_delay_s` (tests only) makes every engine's cold start that much slower."""
-        fleet = cls(model_path, weight_version, cfg, host, log_dir)
+        fleet = cls(model_path, weight_version, cfg, host, log_dir, detached, on_change)
         fleet.supervisor.load_delay_s = load_delay_s
         fleet.clients = [None] * num_engines  # type: ignore[list-item]  # filled by admission
         fleet.engine_urls, fleet.actors = [""] * num_engines, [None] * num_engines
@@ -83,17 +97,83 @@ class Fleet:
             fleet.supervisor.launch_all(num_engines)
             fleet.supervisor.wait_all_serving(cfg.engine_startup_timeout_s + 60)
             with fleet.lock:  # an engine admitted from now on registers with this router itself
-                fleet.router = Router.start(list(fleet.engine_urls), policy=cfg.router_policy, host=host)
-            fleet.router_url = fleet.router.url
-            # Retry for as long as replacing a dead engine may take: a fleet whose every
-            # engine died serves again only once a successor is routable.
-            fleet.router_client = RetryingClient(EngineClient(fleet.router_url, cfg.request_timeout_s),
-                                                 window_s=cfg.engine_startup_timeout_s + 60,
-                                                 check=fleet.raise_if_failed)
+                fleet.router = fleet._start_router()
+            fleet._connect_router()
         except BaseException:
             fleet.stop()
             raise
+        fleet._changed()
         return fleet
+
+    @classmethod
+    def attach(cls, doc: dict[str, Any], cfg: RolloutConfig,
+               on_change: Callable[[dict[str, Any]], None] | None = None) -> "Fleet":
+        """Re-attach to a detached fleet described by `doc` (from `describe()`), with a
+        supervisor of its own. The caller is connected to the fleet's Ray cluster and
+        namespace. An engine whose actor is gone is replaced at the supervisor's first check."""
+        path, version = doc["served"]
+        fleet = cls(path, str(version), cfg, doc.get("host"), doc["log_dir"], True, on_change)
+        slots = [fleet._adopted_slot(e, path, str(version)) for e in doc["engines"]]
+        fleet.clients = [s.client for s in slots]
+        fleet.engine_urls, fleet.actors = [s.url for s in slots], [s.actor for s in slots]
+        router = doc["router"]
+        fleet.router = Router.attach(router["url"], fleet.engine_urls, router["log_path"])
+        fleet.router_name, fleet.router_pid = router["name"], router["pid"]
+        fleet.router_actor = _named_actor(router["name"])
+        fleet._connect_router()
+        fleet.supervisor.adopt(slots)
+        return fleet
+
+    def _adopted_slot(self, engine: dict[str, Any], path: str, version: str) -> Slot:
+        actor = _named_actor(engine["name"])
+        slot = Slot(engine["index"], engine["generation"], actor, engine["url"], engine["pid"],
+                    engine["log_path"], path, version, EngineClient(engine["url"], self.cfg.request_timeout_s),
+                    state="serving" if actor is not None else "dead", name=engine["name"])
+        slot.reason = "" if actor is not None else f"actor {engine['name']} not found"
+        return slot
+
+    def _start_router(self) -> Router:
+        if not self.detached:
+            return Router.start(list(self.engine_urls), policy=self.cfg.router_policy, host=self.host or "127.0.0.1")
+        log_path = f"{self.log_dir}/router.log"
+        options = self.actor_options("router")
+        self.router_name = options["name"]
+        self.router_actor = RouterActor.options(**options).remote(log_path)
+        info = ray.get(self.router_actor.start.remote(list(self.engine_urls), self.cfg.router_policy, self.host))
+        self.router_pid = info["pid"]
+        return Router.attach(info["url"], list(self.engine_urls), log_path)
+
+    def _connect_router(self) -> None:
+        assert self.router is not None
+        self.router_url = self.router.url
+        # Retry for as long as replacing a dead engine may take: a fleet whose every
+        # engine died serves again only once a successor is routable.
+        self.router_client = RetryingClient(EngineClient(self.router_url, self.cfg.request_timeout_s),
+                                            window_s=self.cfg.engine_startup_timeout_s + 60,
+                                            check=self.raise_if_failed)
+
+    def actor_options(self, name: str) -> dict[str, Any]:
+        """Ray options of an actor of this fleet: detached and named when the fleet outlives
+        its stage. Names get a random suffix: a stage killed mid-restart may leave a name taken."""
+        if not self.detached:
+            return {}
+        import uuid
+        return {"name": f"{name}-{uuid.uuid4().hex[:8]}", "lifetime": "detached"}
+
+    def describe(self) -> dict[str, Any]:
+        """What finds this (detached) fleet again: actor names, URLs, pids, served weights."""
+        with self.lock:
+            engines = [{"index": s.index, "generation": s.generation, "name": s.name, "url": s.url,
+                        "pid": s.pid, "log_path": s.log_path} for s in self.supervisor.slots]
+            router = {"name": self.router_name,
+                      "url": self.router_url, "pid": self.router_pid,
+                      "log_path": self.router.log_path if self.router else None}
+            return {"engines": engines, "router": router, "served": list(self.served),
+                    "log_dir": self.log_dir, "host": self.host}
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change(self.describe())
 
     def _install(self, index: int, client: EngineClient, url: str, actor: Any) -> None:
         """Called by the supervisor, holding `lock`: engine `index` is now this one."""
@@ -101,6 +181,7 @@ class Fleet:
         self.clients[index], self.engine_urls[index], self.actors[index] = client, url, actor
         if old is not None and old is not client:
             old.close()
+        self._changed()
 
     @contextlib.contextmanager
     def weight_push(self) -> Iterator[list[EngineClient]]:
@@ -117,6 +198,7 @@ class Fleet:
         """The fleet now serves `path` as `version`: what a restarted engine must load."""
         with self.lock:
             self.served = (path, str(version))
+            self._changed()
 
     def raise_if_failed(self) -> None:
         self.supervisor.raise_if_failed()
@@ -137,16 +219,31 @@ class Fleet:
                 status[self.router_url] = False
         return status
 
-    def stop(self) -> None:
+    def detach(self) -> None:
+        """Stop supervising and close this process's clients; the fleet keeps serving."""
         self.supervisor.stop()
-        if self.router is not None:
-            self.router.stop()
         for c in self.clients:
             if c is not None:
                 c.close()
+
+    def stop(self) -> None:
+        self.detach()
+        if self.router is not None:
+            self.router.stop()
         if ray.is_initialized():  # else the actors went with Ray
+            if self.router_actor is not None:
+                ray.kill(self.router_actor, no_restart=True)  # its router dies with its process
             for s in self.supervisor.slots:
-                ray.kill(s.actor, no_restart=True)
+                if s.actor is not None:
+                    ray.kill(s.actor, no_restart=True)
+
+
+def _named_actor(name: str) -> Any:
+    """The detached actor called `name` in this driver's namespace, or None if gone."""
+    try:
+        return ray.get_actor(name)
+    except ValueError:
+        return None
 
 
 class WeightTransport(Protocol):

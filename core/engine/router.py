@@ -73,8 +73,14 @@ class Router:
     `remove_worker` may run in the fleet supervisor's threads meanwhile: they only call the
     router's HTTP API and append to / remove from `worker_urls` (atomic list operations)."""
 
-    def __init__(self, proc: subprocess.Popen, url: str, log_path: str, worker_urls: list[str]) -> None:
+    def __init__(self, proc: subprocess.Popen | None, url: str, log_path: str, worker_urls: list[str]) -> None:
         self.proc, self.url, self.log_path, self.worker_urls = proc, url, log_path, worker_urls
+
+    @classmethod
+    def attach(cls, url: str, worker_urls: list[str], log_path: str) -> "Router":
+        """A handle on a router another process started (e.g. a RouterActor): its HTTP API
+        only; `stop` is a no-op, the router's owner stops it."""
+        return cls(None, url, log_path, [_ip_url(u) for u in worker_urls])
 
     @classmethod
     def start(cls, worker_urls: list[str], policy: str = "round_robin", host: str = "127.0.0.1",
@@ -102,7 +108,7 @@ class Router:
         deadline = time.monotonic() + timeout_s
         missing = list(self.worker_urls)
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
+            if self.proc is not None and self.proc.poll() is not None:
                 raise RouterError(f"router exited with {self.proc.returncode}:\n{self.log_tail()}")
             missing = self._missing_workers()
             if missing is not None and not missing:
@@ -171,7 +177,7 @@ class Router:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Terminate this router's pid; kill it if it does not exit in time."""
-        if self.proc.poll() is None:
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(timeout_s)

@@ -70,6 +70,7 @@ class Slot:
     startup_failures: int = 0  # checks that failed while warming up (never fatal by themselves)
     reason: str = ""
     timings: dict[str, float] = field(default_factory=dict)
+    name: str = ""  # the actor's Ray name when the fleet is detached, else ""
 
 
 class FleetSupervisor:
@@ -107,6 +108,15 @@ class FleetSupervisor:
             for p in pending:
                 ray.kill(p[2], no_restart=True)
             raise
+        self._start_watching(num_engines)
+
+    def adopt(self, slots: list[Slot]) -> None:
+        """Supervise engines another process launched (a re-attached fleet): start the watch
+        threads on these slots. A slot given as "dead" is replaced at the first check."""
+        self.slots = slots
+        self._start_watching(len(slots))
+
+    def _start_watching(self, num_engines: int) -> None:
         for i in range(num_engines):
             t = threading.Thread(target=self._watch, args=(i,), daemon=True, name=f"fleet-watch-{i}")
             t.start()
@@ -269,16 +279,19 @@ class FleetSupervisor:
                 router.remove_worker(slot.url)  # the router never drops a dead worker itself
             except Exception as e:  # noqa: BLE001 - a router problem shows in the next requests
                 log.warning("could not remove %s from the router: %s", slot.url, e)
-        ray.kill(slot.actor, no_restart=True)
+        if slot.actor is not None:  # None: an adopted engine whose actor was already gone
+            ray.kill(slot.actor, no_restart=True)
 
-    def _launch_remote(self, index: int, generation: int) -> tuple[int, int, Any, str, Any]:
+    def _launch_remote(self, index: int, generation: int) -> tuple[int, int, Any, str, Any, str]:
         log_path = f"{self.fleet.log_dir}/engine-{index}.{generation}.log"
-        actor = EngineActor.remote(log_path)
+        options = self.fleet.actor_options(f"engine-{index}.{generation}")
+        actor = EngineActor.options(**options).remote(log_path)
         path, version = self.fleet.base_model_path, self.fleet.base_weight_version
         ref = actor.launch.remote(path, version, self.cfg.max_batch_size, self.fleet.host, self.load_delay_s)
-        return index, generation, actor, log_path, ref
+        return index, generation, actor, log_path, ref, options.get("name", "")
 
-    def _finish_launch(self, index: int, generation: int, actor: Any, log_path: str, ref: Any) -> Slot:
+    def _finish_launch(self, index: int, generation: int, actor: Any, log_path: str, ref: Any,
+                       name: str = "") -> Slot:
         try:
             url, pid = ray.get(ref, timeout=self.cfg.engine_startup_timeout_s + 60)  # + actor start-up
         except Exception as e:
@@ -286,7 +299,7 @@ class FleetSupervisor:
             raise FleetError(f"engine {index} did not launch: {e}\nLast lines of {log_path}:\n"
                              f"{log_tail(log_path)}") from e
         return Slot(index, generation, actor, url, pid, log_path, self.fleet.base_model_path,
-                    self.fleet.base_weight_version, EngineClient(url, self.cfg.request_timeout_s))
+                    self.fleet.base_weight_version, EngineClient(url, self.cfg.request_timeout_s), name=name)
 
     def _set_state(self, slot: Slot, state: str, expect: str, reason: str = "") -> bool:
         with self._lock:

@@ -1,0 +1,125 @@
+"""What every stage job starts from: the campaign's recipe and store, and the block's Ray
+cluster and fleet as the store records them (never in-memory objects of another stage)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from milepost.core.checkpoint import CheckpointManager
+from milepost.core.config import Recipe
+from milepost.core.recipe_io import recipe_from_dict
+from milepost.core.store import CampaignStore
+
+FLEET_DOC = "fleet.json"
+
+
+def campaign_id(url: str) -> str:
+    """A stable id of the campaign: its absolute store location."""
+    return url if "://" in url else os.path.abspath(url)
+
+
+@dataclass
+class StageContext:
+    url: str
+    block: int
+    recipe: Recipe
+    store: CampaignStore
+    checkpoints: CheckpointManager
+    show_progress: bool = False
+
+    @classmethod
+    def open(cls, url: str, block: int, show_progress: bool = False) -> "StageContext":
+        store = CampaignStore(url)
+        if not store.exists("campaign.yaml"):
+            raise ValueError(f"{url} is not a campaign (no campaign.yaml): start it with `milepost run`")
+        recipe = recipe_from_dict(yaml.safe_load(store.read_text("campaign.yaml")), "campaign.yaml")
+        checkpoints = CheckpointManager(store.local_path("checkpoints"), recipe.checkpoint.keep_last)
+        return cls(campaign_id(url), block, recipe, store, checkpoints, show_progress)
+
+    # --- records --------------------------------------------------------------------------
+    def record(self, stage: str) -> dict[str, Any]:
+        return self.store.stage_record(self.block, stage) or {}
+
+    def update(self, stage: str, **fields: Any) -> None:
+        """Merge `fields` into the stage's record now (e.g. a pid, before waiting on it)."""
+        self.store.write_stage_record(self.block, stage, {**self.record(stage), **fields})
+
+    def block_path(self, *parts: str) -> str:
+        return self.store.local_path("blocks", f"{self.block:06d}", *parts)
+
+    def last_step(self) -> int:
+        return (self.block + 1) * self.recipe.campaign.steps_per_block
+
+    # --- the block's Ray cluster ------------------------------------------------------------
+    @property
+    def namespace(self) -> str:
+        """Ray namespace of this block's fleet: detached actor names are per namespace."""
+        digest = hashlib.sha1(self.url.encode()).hexdigest()[:10]
+        return f"milepost-{digest}-b{self.block:06d}"
+
+    def connect(self) -> str:
+        """Join the block's Ray cluster by its recorded address, never `auto` (which attaches
+        to any cluster on the node, another campaign's included)."""
+        import ray
+
+        launch = self.record("launch_ray")
+        address = launch.get("address")
+        if not address or launch.get("state") not in ("done", "running"):
+            raise RuntimeError(f"block {self.block} has no live Ray cluster recorded ({launch.get('state')}): "
+                               "launch_ray must run first")
+        _check_reachable(address, launch)
+        if not ray.is_initialized():
+            os.environ.setdefault("RAY_AUTH_MODE", "token")
+            ray.init(address=address, namespace=self.namespace, log_to_driver=False, logging_level="WARNING")
+        return address
+
+    def disconnect(self) -> None:  # noqa: D102 - leaves the cluster, stops nothing of it
+        import sys
+        if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+            sys.modules["ray"].shutdown()
+
+    # --- the block's fleet --------------------------------------------------------------------
+    def write_fleet(self, doc: dict[str, Any]) -> None:
+        self.store.write_json(f"blocks/{self.block:06d}/{FLEET_DOC}", doc)
+
+    def fleet_doc(self) -> dict[str, Any] | None:
+        rel = f"blocks/{self.block:06d}/{FLEET_DOC}"
+        return self.store.read_json(rel) if self.store.exists(rel) else None
+
+    def attach_fleet(self) -> Any:
+        """The fleet the rollout stage started, with a supervisor of this stage's own."""
+        from milepost.core.engine.fleet import Fleet
+
+        doc = self.fleet_doc()
+        if doc is None:
+            raise RuntimeError(f"block {self.block} has no fleet recorded: the rollout stage must run first")
+        self.connect()
+        return Fleet.attach(doc, self.recipe.rollout, on_change=self.write_fleet)
+
+    def model_path(self) -> str:
+        from milepost.core.model.loading import resolve_model_path
+
+        return resolve_model_path(self.recipe.model, self.recipe.seed)
+
+
+def _check_reachable(address: str, launch: dict[str, Any]) -> None:
+    """Fail in seconds, not after Ray's long connect timeout, when the block's cluster is
+    gone (its allocation ended, a node lost): the driver then relaunches the block."""
+    import socket
+
+    if launch.get("mode") == "slurm":
+        from milepost.slurm.state import Outcome, query_states_blocking
+        state = query_states_blocking([launch["job_id"]])[launch["job_id"]]
+        if state.outcome is not Outcome.RUNNING:
+            raise RuntimeError(f"the block's Ray allocation {launch['job_id']} is {state.slurm_state or state.outcome}, "
+                               "not running: its cluster is gone")
+    host, port = address.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as e:
+        raise RuntimeError(f"the block's Ray head {address} does not answer ({e}): its cluster is gone") from e

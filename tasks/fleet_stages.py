@@ -1,0 +1,74 @@
+"""rollout, sync, evaluate: the stages that start or use the block's fleet.
+
+rollout starts the fleet as detached named actors on the block's Ray cluster (it outlives
+this stage and dies with the cluster) and records it in blocks/N/fleet.json; sync and
+evaluate re-attach to it from that record.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from milepost.tasks.context import StageContext
+
+
+def rollout(ctx: StageContext) -> dict[str, Any]:
+    from milepost.core.engine.fleet import Fleet
+    from milepost.core.evaluate import record_base_eval
+
+    ctx.connect()
+    latest = ctx.checkpoints.latest_valid()
+    model_path = ctx.model_path()
+    serve_path = str(latest.path / "hf") if latest else model_path
+    version = str(latest.state["policy_version"]) if latest else "0"
+    log_dir = Path(ctx.block_path("logs"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    # Locally every server binds 127.0.0.1; on a cluster, its node's IP (host=None).
+    host = "127.0.0.1" if ctx.recipe.cluster.executor == "local" else None
+    fleet = Fleet.start(serve_path, ctx.recipe.rollout.num_engines, ctx.recipe.rollout, version, host,
+                        log_dir=str(log_dir), detached=True, on_change=ctx.write_fleet)
+    try:
+        unhealthy = [url for url, ok in fleet.health_check().items() if not ok]
+        if unhealthy:
+            raise RuntimeError(f"engines failed their health check: {unhealthy}")
+        if version == "0" and not ctx.store.exists("base_eval.json"):
+            ctx.store.write_json("base_eval.json", record_base_eval(ctx.recipe, fleet, model_path))
+    except BaseException:
+        fleet.stop()
+        raise
+    doc = fleet.describe()
+    fleet.detach()
+    return {"engine_urls": list(fleet.engine_urls), "router_url": fleet.router_url, "policy_version": version,
+            "model_path": model_path, "engine_pids": [e["pid"] for e in doc["engines"]],
+            "engine_names": [e["name"] for e in doc["engines"]], "router_name": doc["router"]["name"],
+            "router_pid": doc["router"]["pid"]}
+
+
+def sync(ctx: StageContext) -> dict[str, Any]:
+    latest = ctx.checkpoints.latest_valid()
+    assert latest and latest.step == ctx.last_step(), "train must commit the block's checkpoint"
+    export = Path(ctx.store.local_path("exports", f"{latest.step:08d}"))
+    if not export.exists():
+        shutil.copytree(latest.path / "hf", export)
+    version = str(latest.state["policy_version"])
+    fleet = ctx.attach_fleet()
+    try:
+        for client in fleet.clients:
+            served = str(client.model_info().get("weight_version"))
+            if served != version:
+                raise RuntimeError(f"{client.base_url} serves policy {served}, expected {version}")
+    finally:
+        fleet.detach()
+    return {"step": latest.step, "policy_version": version, "export_path": str(export)}
+
+
+def evaluate(ctx: StageContext) -> dict[str, Any]:
+    from milepost.core.evaluate import evaluate_fleet
+
+    fleet = ctx.attach_fleet()
+    try:
+        return {"eval": evaluate_fleet(ctx.recipe, fleet, ctx.model_path())}
+    finally:
+        fleet.detach()

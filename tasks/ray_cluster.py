@@ -1,0 +1,197 @@
+"""launch_ray and teardown: the block's Ray cluster, owned through its records only.
+
+local: a `ray start --head --block` process in a session of its own (it outlives the
+launch_ray job), on ports of its own, with a temp dir of its own. The record holds its pid
+and temp dir before the head is even started, so teardown finds every process of it: the
+recorded pids, their descendants, and processes whose command line holds that unique temp
+dir (Ray's own session processes). SIGTERM, then SIGKILL. Never `ray stop` (it stops every
+Ray cluster on the machine), never anything by name.
+
+slurm: the allocation rendered by milepost.slurm.sbatch (a head on the first node, a worker
+per other node, the address published once every node joined). The record holds the job id
+as soon as sbatch answers; teardown is `scancel` of that id (the allocation's trap stops
+its own Ray steps, and slurmstepd kills whatever is left of them).
+
+teardown also stops stage jobs that a killed `milepost run` left `running` (by the pid or
+Slurm job id in their record), and marks launch_ray/rollout `released`, so the next run of
+the block launches them again.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from milepost.tasks.context import StageContext
+from milepost.tasks.local_ray import free_ray_ports, start_local_head, stop_processes
+
+LAUNCH_TIMEOUT_S = 600
+LAUNCH_ATTEMPTS = 3
+OWNED_STAGES = ("launch_ray", "rollout", "train", "sync", "evaluate")
+
+
+def launch_ray(ctx: StageContext) -> dict[str, Any]:
+    if ctx.recipe.cluster.executor == "local":
+        return _launch_local(ctx)
+    return _launch_slurm(ctx)
+
+
+def _launch_local(ctx: StageContext) -> dict[str, Any]:
+    # Short and unique: Ray's unix sockets live under it (108-byte limit), and teardown
+    # finds the head's processes by it.
+    temp_dir = f"/tmp/mp-ray-{uuid.uuid4().hex[:10]}"
+    ports = free_ray_ports(ctx.url)
+    ctx.update("launch_ray", mode="local", temp_dir=temp_dir, launched_at=time.time())
+    head = start_local_head(ports, temp_dir, Path(ctx.block_path("logs", "ray-head.log")),
+                            on_started=lambda pid, created: ctx.update("launch_ray", pids=[pid],
+                                                                       pids_created_at=[created]))
+    return {"mode": "local", "temp_dir": temp_dir, "launched_at": ctx.record("launch_ray")["launched_at"],
+            **head, "num_nodes": 1}
+
+
+def _launch_slurm(ctx: StageContext) -> dict[str, Any]:
+    """Submit the allocation; if it dies before every node joined (e.g. a port of the
+    campaign's slot was taken on the head node), try the next port slot, twice."""
+    for attempt in range(LAUNCH_ATTEMPTS):
+        job_id, address_file = _submit_allocation(ctx, attempt)
+        try:
+            address = _wait_for_address(job_id, address_file, Path(ctx.block_path("logs")))
+            break
+        except AllocationFailed:
+            if attempt == LAUNCH_ATTEMPTS - 1:
+                raise
+    ctx.update("launch_ray", address=address)
+    return {"mode": "slurm", "job_id": job_id, "address": address, "num_nodes": ctx.recipe.cluster.num_nodes,
+            "node_ips": _node_ips(ctx), "submitted_at": ctx.record("launch_ray")["submitted_at"]}
+
+
+def _submit_allocation(ctx: StageContext, attempt: int) -> tuple[str, Path]:
+    from milepost.slurm.sbatch import RayAllocationSpec, RayPorts, render_ray_allocation
+
+    cluster = ctx.recipe.cluster
+    log_dir = Path(ctx.block_path("logs"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    address_file = Path(ctx.block_path("ray-address"))
+    address_file.unlink(missing_ok=True)  # a stale address must never be taken for this cluster's
+    slot_id = ctx.url if attempt == 0 else f"{ctx.url}#{attempt}"
+    spec = RayAllocationSpec(
+        job_name=f"mp-ray-b{ctx.block}", options=cluster.slurm.model_copy(update={"nodes": cluster.num_nodes}),
+        ports=RayPorts.for_campaign(slot_id), log_dir=str(log_dir), address_file=str(address_file),
+        python=sys.executable, ray_temp_root="/tmp", join_timeout_s=LAUNCH_TIMEOUT_S)
+    script = Path(ctx.block_path("ray.sbatch"))
+    script.write_text(render_ray_allocation(spec))
+    job_id = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True,
+                            check=True, timeout=60).stdout.strip().split(";")[0]
+    first = ctx.record("launch_ray").get("submitted_at") or time.time()
+    ctx.update("launch_ray", mode="slurm", job_id=job_id, submitted_at=first, attempt=attempt)
+    return job_id, address_file
+
+
+class AllocationFailed(RuntimeError):
+    pass
+
+
+def _wait_for_address(job_id: str, address_file: Path, log_dir: Path) -> str:
+    from milepost.slurm.state import query_states_blocking
+
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    while not address_file.exists():
+        state = query_states_blocking([job_id])[job_id]
+        if state.outcome.terminal or time.monotonic() > deadline:
+            if not state.outcome.terminal:
+                _cancel_slurm_job(job_id, wait=True)
+            err = log_dir / f"ray-{job_id}.err"
+            tail = err.read_text()[-3000:] if err.exists() else "(no log)"
+            raise AllocationFailed(f"Ray allocation {job_id} ended or timed out ({state.slurm_state}) before every "
+                               f"node joined; its log {err}:\n{tail}")
+        time.sleep(0.5)
+    return address_file.read_text().strip()
+
+
+def _node_ips(ctx: StageContext) -> list[str]:
+    import ray
+
+    ctx.connect()
+    return sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])
+
+
+# --- teardown ---------------------------------------------------------------------------------
+def teardown(ctx: StageContext) -> dict[str, Any]:
+    """Release what the block's records say it owns; safe to run any number of times."""
+    stopped_jobs = _stop_leftover_stages(ctx)
+    launch = ctx.record("launch_ray")
+    released: dict[str, Any] = {}
+    if launch.get("mode") == "local":
+        released["killed_pids"] = _teardown_local(ctx, launch)
+    elif launch.get("mode") == "slurm" and launch.get("job_id"):
+        released["cancelled_job"] = _cancel_slurm_job(launch["job_id"], wait=True)
+    for stage in ("launch_ray", "rollout"):
+        record = ctx.record(stage)
+        if record and record.get("state") in ("done", "running", "aborted"):
+            ctx.update(stage, state="released", released_at=time.time())
+    return {**released, "stopped_stages": stopped_jobs}
+
+
+def _teardown_local(ctx: StageContext, launch: dict[str, Any]) -> list[int]:
+    pids = list(zip(launch.get("pids", []), launch.get("pids_created_at", [])))
+    fleet = ctx.fleet_doc() or {}
+    # Engines and the router are descendants of the head; their recorded pids are a second
+    # way to find them should the raylet already be gone. Only processes newer than the head.
+    since = launch.get("launched_at", 0.0)
+    extra = [e["pid"] for e in fleet.get("engines", [])] + [(fleet.get("router") or {}).get("pid")]
+    killed = stop_processes(pids, launch.get("temp_dir"), [p for p in extra if p], since)
+    if launch.get("temp_dir", "").startswith("/tmp/mp-ray-"):  # ours alone: a fresh name per launch
+        shutil.rmtree(launch["temp_dir"], ignore_errors=True)
+    return killed
+
+
+def _stop_leftover_stages(ctx: StageContext) -> list[str]:
+    """Stage jobs still `running` per their record (a killed driver's): stop them."""
+    me = os.environ.get("SLURM_JOB_ID")
+    stopped = []
+    for stage in OWNED_STAGES:
+        record = ctx.record(stage)
+        if record.get("state") != "running":
+            continue
+        job_id = record.get("slurm_job_id")
+        if job_id and job_id != me:
+            _cancel_slurm_job(job_id, wait=True)
+        elif not job_id and record.get("pid") and record["pid"] != os.getpid():
+            _kill_recorded(record["pid"], record.get("pid_created_at"))
+        ctx.update(stage, state="aborted", aborted_at=time.time())
+        stopped.append(stage)
+    return stopped
+
+
+def _kill_recorded(pid: int, created_at: float | None) -> None:
+    try:
+        proc = psutil.Process(pid)
+        if created_at is not None and abs(proc.create_time() - created_at) > 1.0:
+            return  # the pid was reused: not ours
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    except (psutil.NoSuchProcess, psutil.TimeoutExpired):
+        pass
+
+
+def _cancel_slurm_job(job_id: str, wait: bool) -> str:
+    """scancel; with `wait`, until the job has left the queue (state COMPLETING ends only
+    once slurmstepd has killed every process of the job), at most 120 s."""
+    subprocess.run(["scancel", job_id], capture_output=True, timeout=60)
+    deadline = time.monotonic() + 120
+    while wait and time.monotonic() < deadline:
+        queued = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True,
+                                timeout=60)
+        if queued.returncode == 0 and not queued.stdout.strip():
+            break
+        time.sleep(0.5)
+    return job_id

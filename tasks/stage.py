@@ -1,0 +1,110 @@
+"""One block stage, run as its own job: `python -m milepost.tasks.stage --campaign URL --block N
+--stage NAME` (or `run_stage(url, block, name)` submitted through an executor).
+
+The stage reads the recipe from the campaign store (campaign.yaml), runs exactly one stage
+and writes its record. Idempotent: a `done` record is returned as it is; otherwise the
+stage runs (a partial one resumes from the store) and its record is written. Stages talk to
+each other ONLY through store records: the Ray address (launch_ray), the fleet's actor
+names and URLs (blocks/N/fleet.json), checkpoints. `teardown` always runs: it releases
+whatever the block's records say it owns.
+
+While it runs, the record says `running` with this process's pid (and Slurm job id): a
+later `milepost run` stops a stage left over from a killed run by that record, never by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import psutil
+
+from milepost.tasks.context import StageContext
+
+log = logging.getLogger(__name__)
+
+STAGES = ("launch_ray", "rollout", "train", "sync", "evaluate", "teardown")
+DRIVER_PID_ENV = "MILEPOST_DRIVER_PID"
+
+
+def _now() -> float:
+    return round(time.time(), 3)
+
+
+def _stage_fn(stage: str) -> Callable[[StageContext], dict[str, Any]]:
+    # Imported on demand: launch_ray and teardown need neither torch nor the engines.
+    if stage in ("launch_ray", "teardown"):
+        from milepost.tasks import ray_cluster
+        return {"launch_ray": ray_cluster.launch_ray, "teardown": ray_cluster.teardown}[stage]
+    if stage == "train":
+        from milepost.tasks.train import run_train_stage
+        return run_train_stage
+    from milepost.tasks import fleet_stages
+    return {"rollout": fleet_stages.rollout, "sync": fleet_stages.sync, "evaluate": fleet_stages.evaluate}[stage]
+
+
+def _die_with_driver() -> None:
+    """On the local executor, a stage must not outlive the `milepost run` that started it
+    (a SIGKILLed driver runs no clean-up, and its rerun would race the orphan). The driver's
+    pid comes in the environment; a daemon thread exits this process once it is gone."""
+    pid = int(os.environ.get(DRIVER_PID_ENV, "0") or 0)
+    if not pid:
+        return
+
+    def watch() -> None:
+        while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+            time.sleep(0.2)
+        os._exit(137)
+
+    threading.Thread(target=watch, daemon=True, name="die-with-driver").start()
+
+
+def running_record(stage: str) -> dict[str, Any]:
+    me = psutil.Process()
+    return {"state": "running", "started_at": _now(), "pid": me.pid, "pid_created_at": me.create_time(),
+            "host": socket.gethostname(), "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
+
+
+def run_stage(campaign_url: str, block: int, stage: str, show_progress: bool = False) -> dict[str, Any]:
+    """Run one stage of one block (idempotent); returns its record."""
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
+    _die_with_driver()
+    os.environ.setdefault("RAY_AUTH_MODE", "token")  # Ray's token auth: drivers must say so (FACTS.md)
+    ctx = StageContext.open(campaign_url, block, show_progress=show_progress)
+    record = ctx.store.stage_record(block, stage)
+    if record and record.get("state") == "done" and stage != "teardown":
+        return record
+    started = running_record(stage)
+    ctx.store.write_stage_record(block, stage, started)
+    try:
+        outputs = _stage_fn(stage)(ctx)
+    finally:
+        ctx.disconnect()
+    # Fields the stage recorded while running (pids, first step time) are kept.
+    record = {**(ctx.store.stage_record(block, stage) or started), "state": "done", "finished_at": _now(),
+              **outputs}
+    ctx.store.write_stage_record(block, stage, record)
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run one block stage of a campaign (idempotent).")
+    parser.add_argument("--campaign", required=True, help="campaign store URL or folder")
+    parser.add_argument("--block", type=int, required=True)
+    parser.add_argument("--stage", required=True, choices=STAGES)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    print(json.dumps(run_stage(args.campaign, args.block, args.stage), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""Campaigns on the real dev cluster (2 virtual nodes, `bash slurm/devcluster.sh up`).
+
+1. `milepost run … --set cluster.executor=slurm --set cluster.num_nodes=2` completes; every
+   stage is a Slurm job that `sacct` lists; the block's Ray cluster has 2 nodes; the result
+   is bitwise the local executor's (sync mode is deterministic). The per-stage timings of
+   both runs go to bench/results/slurm_overhead.txt.
+2. Cancelling a block's allocation stops its Ray processes, engine and router (by pid),
+   and leaves another campaign's Ray cluster running.
+3. The node running the train stage is set DOWN mid-block: the block is torn down,
+   launched again once the node is back, and finishes from its last checkpoint with every
+   step once and the reference's exact weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from milepost.slurm.devcluster import check_dev_cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+GUARD_S = 180  # against hanging forever, not a timing assertion
+STEPS = 6
+OVERRIDES = ["campaign.num_blocks=1", f"campaign.steps_per_block={STEPS}", "checkpoint.every_steps=2",
+             "rollout.prompts_per_step=8", "rollout.num_samples_per_prompt=4", "model.tiny.warmstart_steps=200",
+             "eval.num_prompts=64", f"data.num_train_rows={STEPS * 8}", "filters.drop_zero_variance_groups=false",
+             "cluster.slurm.time_min=30"]
+SLURM = ["cluster.executor=slurm", "cluster.num_nodes=2"]
+STAGES = ("launch_ray", "rollout", "train", "sync", "evaluate", "teardown")
+
+
+@pytest.fixture(scope="session")
+def dev_cluster() -> None:
+    problem = check_dev_cluster(min_nodes=2)
+    if problem:
+        pytest.fail(problem, pytrace=False)
+
+
+def _command(campaign: Path, extra: list[str]) -> list[str]:
+    sets = [a for o in (*OVERRIDES, *extra) for a in ("--set", o)]
+    return [sys.executable, "-m", "milepost.cli", "run", "recipes/tiny-arith.yaml", "--quiet",
+            "--campaign", str(campaign), *sets]
+
+
+def _run(campaign: Path, cache: Path, extra: list[str], log: Path) -> None:
+    with open(log, "ab") as out:
+        rc = subprocess.run(_command(campaign, extra), cwd=ROOT, env={**os.environ, "MILEPOST_CACHE": str(cache)},
+                            stdout=out, stderr=subprocess.STDOUT, timeout=900).returncode
+    assert rc == 0, log.read_text()[-5000:]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[Path, Path]:
+    """The same block on the local executor: (campaign, model cache)."""
+    root = tmp_path_factory.mktemp("reference")
+    # Build the tiny model first, so that neither timed run pays for it.
+    build = ("import sys; from milepost.core.recipe_io import load_recipe; "
+             "from milepost.core.model.loading import resolve_model_path; "
+             "r = load_recipe('recipes/tiny-arith.yaml', sys.argv[1:]); resolve_model_path(r.model, r.seed)")
+    subprocess.run([sys.executable, "-c", build, *OVERRIDES], cwd=ROOT, check=True, timeout=900,
+                   env={**os.environ, "MILEPOST_CACHE": str(root / "cache")}, capture_output=True)
+    _run(root / "local", root / "cache", [], root / "runs.log")
+    return root / "local", root / "cache"
+
+
+def _record(campaign: Path, stage: str, block: int = 0) -> dict:
+    return json.loads((campaign / "blocks" / f"{block:06d}" / f"{stage}.json").read_text())
+
+
+def _sacct(job_ids: list[str]) -> dict[str, tuple[str, str]]:
+    """{job id: (job name, state)} of whole jobs, waiting until sacct knows them all."""
+    deadline = time.monotonic() + GUARD_S
+    while True:
+        out = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "JobIDRaw,JobName,State", "-j", ",".join(job_ids)],
+                             capture_output=True, text=True, check=True).stdout
+        rows = {r.split("|")[0]: tuple(r.split("|")[1:3]) for r in out.splitlines() if r}
+        if all(j in rows and not rows[j][1].startswith(("PENDING", "RUNNING")) for j in job_ids):
+            return rows
+        assert time.monotonic() < deadline, f"sacct never listed every job as ended: {rows}"
+        time.sleep(1.0)
+
+
+def _final(campaign: Path) -> tuple[str, float]:
+    status = subprocess.run([sys.executable, "-m", "milepost.cli", "status", str(campaign), "--json"],
+                            capture_output=True, text=True, check=True, cwd=ROOT)
+    doc = json.loads(status.stdout)
+    return doc["latest_checkpoint"]["model_sha256"], doc["blocks"][0]["eval"]["accuracy"]
+
+
+def _overhead_lines(name: str, campaign: Path) -> list[str]:
+    """Driver-side timings of one block: from submitting launch_ray to the first RL step,
+    and the gap between one stage job's end and the next one's start (job start-up,
+    Python imports, joining Ray)."""
+    stages = json.loads((campaign / "blocks" / "000000" / "timings.json").read_text())["stages"]
+    t0 = stages["launch_ray"]["submitted_at"]
+    first_step = _record(campaign, "train")["first_step_done_at"]
+    lines = [f"{name}: submission -> Ray cluster up {stages['launch_ray']['finished_at'] - t0:.1f}s, "
+             f"-> fleet serving {stages['rollout']['finished_at'] - t0:.1f}s, "
+             f"-> first RL step done {first_step - t0:.1f}s"]
+    order = [s for s in STAGES if s in stages]
+    for a, b in zip(order, order[1:]):
+        gap = stages[b]["started_at"] - stages[a]["finished_at"]
+        lines.append(f"  {a:>10} -> {b:<9} {gap:5.1f}s from end to next start; {b} ran "
+                     f"{stages[b]['finished_at'] - stages[b]['started_at']:.1f}s")
+    return lines
+
+
+def test_slurm_campaign_matches_local_and_every_stage_is_in_sacct(dev_cluster, reference, tmp_path):
+    (local, cache), log, slurm = reference, tmp_path / "runs.log", tmp_path / "slurm"
+    _run(slurm, cache, SLURM, log)
+
+    launch = _record(slurm, "launch_ray")
+    assert launch["mode"] == "slurm" and launch["num_nodes"] == 2 and len(launch["node_ips"]) == 2, launch
+    timings = json.loads((slurm / "blocks/000000/timings.json").read_text())["stages"]
+    stage_jobs = {s: t["job_id"] for s, t in timings.items()}
+    stage_jobs["teardown"] = _record(slurm, "teardown")["slurm_job_id"]
+    rows = _sacct([*stage_jobs.values(), launch["job_id"]])
+    for stage, job in stage_jobs.items():
+        assert rows[job] == (f"mp-{stage}-b0", "COMPLETED"), (stage, rows)
+    assert rows[launch["job_id"]][0] == "mp-ray-b0" and rows[launch["job_id"]][1].startswith("CANCELLED")
+    # Each stage job ran where its record says, inside the cluster.
+    assert all(_record(slurm, s)["slurm_job_id"] == stage_jobs[s] for s in STAGES)
+
+    assert _final(slurm) == _final(local), "the Slurm run must end bitwise where the local run ends"
+    lines = [f"# One block of tiny-arith ({STEPS} steps), measured by tests/integration/test_slurm_campaign.py",
+             "# on the 2-node dev cluster (2 cores in all) vs the local executor, same recipe and seed,",
+             "# model already built. Driver-side wall times; a gap = job start-up + imports + joining Ray.",
+             *_overhead_lines("local", local), *_overhead_lines("slurm", slurm)]
+    (ROOT / "bench/results/slurm_overhead.txt").write_text("\n".join(lines) + "\n")
+
+
+def _alive(pids: list[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _allocation_pids(job_id: str) -> list[int]:
+    marker = f"milepost-ray-{job_id}"
+    return [p.pid for p in psutil.process_iter(["cmdline"]) if marker in " ".join(p.info["cmdline"] or [])]
+
+
+def test_cancelling_the_allocation_stops_its_block_and_nothing_else(dev_cluster, tmp_path):
+    from milepost.core.recipe_io import load_recipe
+    from milepost.tasks.block import BlockRunner
+    from milepost.tasks.campaign import prepare_campaign
+    from milepost.tasks.stage import run_stage
+
+    os.environ["MILEPOST_CACHE"] = str(tmp_path / "cache")
+    mine = prepare_campaign(load_recipe(ROOT / "recipes/tiny-arith.yaml", OVERRIDES + SLURM), str(tmp_path / "a"))
+    other = prepare_campaign(load_recipe(ROOT / "recipes/tiny-arith.yaml", OVERRIDES), str(tmp_path / "b"))
+    runner = BlockRunner(mine.recipe, mine.store, show_progress=False)
+    run_stage(str(tmp_path / "b"), 0, "launch_ray")  # another campaign's Ray cluster on this machine
+    try:
+        runner._run(0, "launch_ray")
+        runner._run(0, "rollout")
+        launch, fleet = _record(tmp_path / "a", "launch_ray"), json.loads((tmp_path / "a/blocks/000000/fleet.json").read_text())
+        ray_pids = _allocation_pids(launch["job_id"])
+        fleet_pids = [e["pid"] for e in fleet["engines"]] + [fleet["router"]["pid"]]
+        assert len(ray_pids) > 2 and not set(fleet_pids) - set(_alive(fleet_pids)), (ray_pids, fleet_pids)
+        other_pids = _record(tmp_path / "b", "launch_ray")["pids"]
+        other_tree = [c.pid for p in other_pids for c in [psutil.Process(p), *psutil.Process(p).children(True)]]
+
+        subprocess.run(["scancel", launch["job_id"]], check=True)
+        deadline = time.monotonic() + GUARD_S
+        while _alive(ray_pids + fleet_pids):
+            assert time.monotonic() < deadline, f"left running: {_alive(ray_pids + fleet_pids)}"
+            time.sleep(0.5)
+        assert _alive(other_tree) == other_tree, "another campaign's Ray processes were touched"
+    finally:
+        runner.teardown(0)
+        run_stage(str(tmp_path / "b"), 0, "teardown")
+    assert not _alive(other_tree)
+
+
+def _metrics(campaign: Path) -> list[dict]:
+    path = campaign / "blocks/000000/metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+def _train_job_node(campaign: Path, min_step: int, proc: subprocess.Popen, log: Path) -> tuple[str, str]:
+    """Wait until the train stage runs as a Slurm job and step `min_step` is recorded."""
+    deadline = time.monotonic() + 600
+    while True:
+        assert proc.poll() is None, log.read_text()[-5000:]
+        assert time.monotonic() < deadline, "train never reached step %d" % min_step
+        path = campaign / "blocks/000000/train.json"
+        train = json.loads(path.read_text()) if path.exists() else {}
+        if train.get("state") == "running" and len(_metrics(campaign)) >= min_step:
+            job = train["slurm_job_id"]
+            node = subprocess.run(["squeue", "-h", "-j", job, "-o", "%N"], capture_output=True, text=True).stdout
+            if node.strip():
+                return job, node.strip()
+        time.sleep(0.2)
+
+
+def test_node_down_mid_train_resumes_from_the_last_checkpoint(dev_cluster, reference, tmp_path):
+    (local, cache), log, campaign = reference, tmp_path / "runs.log", tmp_path / "slurm"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(_command(campaign, SLURM + ["cluster.max_block_retries=2"]), cwd=ROOT,
+                                env={**os.environ, "MILEPOST_CACHE": str(cache)}, stdout=out, stderr=subprocess.STDOUT)
+    node = None
+    try:
+        job, node = _train_job_node(campaign, 3, proc, log)  # step 2's checkpoint is committed
+        subprocess.run(["scontrol", "update", f"nodename={node}", "state=down", "reason=milepost-test"], check=True)
+        time.sleep(10)
+        subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], check=True)
+        node = None
+        assert proc.wait(900) == 0, log.read_text()[-5000:]
+    finally:
+        if node:
+            subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"])
+        if proc.poll() is None:
+            proc.kill()
+    assert "launching it again" in log.read_text(), "the block was never relaunched: the node loss went unseen"
+    rows = _metrics(campaign)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    prompts = [i for r in rows for i in r["data/prompt_indices"]]
+    assert len(set(prompts)) == len(prompts) == STEPS * 8, "a prompt was lost or trained on twice"
+    assert _final(campaign) == _final(local), "resumed after the node loss, the block must end bitwise as the reference"
