@@ -137,7 +137,7 @@ class BlockRunner:
         accuracy = self.store.stage_record(block, "evaluate")["eval"]["accuracy"]
         base = self.store.read_json("base_eval.json")["accuracy"] if self.store.exists("base_eval.json") else None
         versus = f" (base policy {base:.3f}, {accuracy - base:+.3f})" if base is not None else ""
-        log.info("block %d of %d: held-out accuracy %.3f%s", block + 1, self.recipe.campaign.num_blocks,
+        log.info("block %d (last: %d): held-out accuracy %.3f%s", block, self.recipe.campaign.num_blocks - 1,
                  accuracy, versus)
 
 
