@@ -1,0 +1,117 @@
+"""The deferrable wait on one stage job: no Airflow worker slot is held while a stage runs.
+
+`StageJobTrigger` runs in the triggerer (one asyncio loop shared by many triggers), so it
+never blocks: Slurm state comes from `slurm.state.SlurmStatePoller` (asyncio subprocesses of
+sacct/squeue) and store reads go through `asyncio.to_thread`.
+
+How a job is known to have ended:
+- slurm: sacct/squeue says the job reached a terminal state; the stage's record in the
+  store then says whether the stage finished (`done`) or not.
+- local: the job id is the pid of submitit's local controller, and a local handle cannot be
+  re-attached from another process. The trigger therefore watches the store and the pid:
+  the stage's record `done` (written after the submission) means success; the controller gone
+  (or its pid reused: the creation time differs) without a `done` record means failure.
+  Only meaningful where the triggerer runs on the machine that ran the job (embedded mode).
+
+Its serialized kwargs are identifiers and numbers only, so a triggerer restart resumes the
+wait from the same point.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+# Clock slack between the worker that submitted a job and the process that recorded its end.
+_CLOCK_SLACK_S = 2.0
+
+
+class StageJobTrigger(BaseTrigger):
+    """Waits until one stage job of one block ends; fires one event:
+    `{"status": "done" | "failed", "job_id", "stage", "detail", …}`."""
+
+    def __init__(self, campaign_url: str, block: int, stage: str, executor: str, job_id: str,
+                 submitted_at: float, pid_created_at: float | None = None,
+                 poll_interval_s: float = 5.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if executor not in ("local", "slurm"):
+            raise ValueError(f"executor must be `local` or `slurm`, got {executor!r}")
+        self.campaign_url = campaign_url
+        self.block = int(block)
+        self.stage = stage
+        self.executor = executor
+        self.job_id = str(job_id)
+        self.submitted_at = float(submitted_at)
+        self.pid_created_at = pid_created_at
+        self.poll_interval_s = float(poll_interval_s)
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (f"{type(self).__module__}.{type(self).__qualname__}", {
+            "campaign_url": self.campaign_url, "block": self.block, "stage": self.stage,
+            "executor": self.executor, "job_id": self.job_id, "submitted_at": self.submitted_at,
+            "pid_created_at": self.pid_created_at, "poll_interval_s": self.poll_interval_s})
+
+    # --- the store (blocking: called through asyncio.to_thread) ------------------------------
+    def _record(self) -> dict[str, Any]:
+        from milepost.core.store import CampaignStore  # fsspec only
+
+        return CampaignStore(self.campaign_url).stage_record(self.block, self.stage) or {}
+
+    def _finished_now(self, record: dict[str, Any]) -> bool:
+        """Done by this submission (teardown reruns and rewrites an older `done`)."""
+        return record.get("state") == "done" and float(record.get("finished_at") or 0.0) >= \
+            self.submitted_at - _CLOCK_SLACK_S
+
+    def _event(self, status: str, detail: str, record: dict[str, Any], **extra: Any) -> TriggerEvent:
+        return TriggerEvent({"status": status, "campaign_url": self.campaign_url, "block": self.block,
+                             "stage": self.stage, "executor": self.executor, "job_id": self.job_id,
+                             "record_state": record.get("state"), "detail": detail, **extra})
+
+    # --- waiting -------------------------------------------------------------------------
+    def _controller_alive(self) -> bool:
+        import psutil
+
+        try:
+            process = psutil.Process(int(self.job_id))
+            if self.pid_created_at is not None and abs(process.create_time() - self.pid_created_at) > 0.05:
+                return False  # the pid was reused by another process
+            return process.status() != psutil.STATUS_ZOMBIE
+        except (psutil.NoSuchProcess, ValueError):
+            return False
+
+    async def _wait_local(self) -> TriggerEvent:
+        while True:
+            record = await asyncio.to_thread(self._record)
+            if self._finished_now(record):
+                return self._event("done", "stage recorded done", record)
+            if not await asyncio.to_thread(self._controller_alive):
+                record = await asyncio.to_thread(self._record)  # it may have finished meanwhile
+                if self._finished_now(record):
+                    return self._event("done", "stage recorded done", record)
+                return self._event("failed", f"local job {self.job_id} ended without recording the stage done "
+                                             f"(record: {record.get('state') or 'none'})", record)
+            await asyncio.sleep(self.poll_interval_s)
+
+    async def _wait_slurm(self) -> TriggerEvent:
+        from milepost.slurm.state import Outcome, SlurmStatePoller
+
+        state = await SlurmStatePoller(self.job_id, interval_s=self.poll_interval_s).wait()
+        record = await asyncio.to_thread(self._record)
+        extra = {"outcome": state.outcome.value, "slurm_state": state.slurm_state, "exit_code": state.exit_code}
+        if state.outcome is Outcome.DONE and record.get("state") == "done":
+            return self._event("done", f"Slurm job {self.job_id} completed", record, **extra)
+        return self._event("failed", f"Slurm job {self.job_id} ended {state.outcome.value} "
+                                     f"({state.slurm_state or 'no Slurm state'}); stage record: "
+                                     f"{record.get('state') or 'none'}", record, **extra)
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        started = time.monotonic()
+        self.log.info("waiting for %s job %s (block %d, %s)", self.executor, self.job_id, self.block, self.stage)
+        event = await (self._wait_slurm() if self.executor == "slurm" else self._wait_local())
+        self.log.info("%s job %s: %s after %.0fs", self.executor, self.job_id, event.payload["status"],
+                      time.monotonic() - started)
+        yield event
