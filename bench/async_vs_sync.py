@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 DEFAULTS = ["campaign.num_blocks=1", "train.num_ranks=1", "rollout.prompts_per_step=64",
-            "eval.num_prompts=32", "checkpoint.every_steps=1000"]
+            "eval.num_prompts=32", "checkpoint.every_steps=1000", "cluster.placement=disaggregated"]
 
 
 def run_campaign(folder: Path, staleness: int, steps: int, extra: list[str]) -> tuple[list[dict], float]:

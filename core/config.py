@@ -20,6 +20,11 @@ class CampaignConfig(Section):
     name: str = Field("campaign", description="Human-readable campaign name.")
     num_blocks: int = Field(3, ge=1, description="Blocks (DAG runs) in the campaign.")
     steps_per_block: int = Field(10, ge=1, description="RL steps per block.")
+    max_eval_drop: float | None = Field(
+        None, ge=0.0, le=1.0,
+        description="Regression gate: a block whose eval accuracy falls more than this below the best "
+                    "block's pauses the campaign (resume continues from the best block's checkpoint). "
+                    "null: no gate.")
 
 
 class TinyModelConfig(Section):
@@ -45,6 +50,9 @@ class ModelConfig(Section):
         description="An HF checkpoint folder/URL, or `builtin:tiny-arith` for the project's own model.",
     )
     tiny: TinyModelConfig = TinyModelConfig()
+    catalog: str | None = Field(
+        None, description="A shipped HF config (`milepost plan --models` lists them, e.g. `Qwen3-8B`) that "
+                          "`milepost plan` uses when `path` has no config.json readable on this machine.")
 
 
 class DataConfig(Section):
@@ -69,6 +77,13 @@ class RolloutConfig(Section):
     top_k: int = Field(-1, description="-1 disables top-k.")
     max_new_tokens: int = Field(8, ge=1)
     max_batch_size: int = Field(512, ge=1, description="Most sequences an engine decodes at once.")
+    max_prompt_tokens: int = Field(
+        512, ge=1, description="Longest prompt in tokens; `milepost plan` sizes the engines' KV cache and "
+                               "the trainer's sequences with it.")
+    engine_tensor_parallel: int = Field(1, ge=1, description="Devices per engine (SGLang --tp-size).")
+    partial_rollout: bool = Field(
+        True, description="A response cut by a weight push keeps its tokens and is continued under "
+                          "the new policy (per-token versions recorded); false: its chunk is generated again.")
     request_timeout_s: float = Field(300.0, gt=0)
     engine_startup_timeout_s: float = Field(180.0, gt=0)
     router_policy: Literal["round_robin", "cache_aware", "power_of_two"] = "round_robin"
@@ -107,10 +122,29 @@ class AlgoConfig(Section):
     tis_cap: float | None = Field(2.0, gt=0.0, description="Truncated importance sampling cap; null disables.")
 
 
+class MegatronConfig(Section):
+    """Parallel layout of the Megatron-core backend (`train.backend: megatron`). The data-parallel
+    size is derived: train.num_ranks / (tensor_parallel * pipeline_parallel * context_parallel)."""
+
+    tensor_parallel: int = Field(1, ge=1)
+    pipeline_parallel: int = Field(1, ge=1)
+    virtual_pipeline: int | None = Field(
+        None, ge=2, description="Model chunks per pipeline rank (interleaved schedule); null: off.")
+    context_parallel: int = Field(1, ge=1)
+    expert_parallel: int = Field(1, ge=1, description="MoE experts split over this many ranks.")
+    expert_tensor_parallel: int | None = Field(None, ge=1, description="TP inside experts; null: tensor_parallel.")
+    sequence_parallel: bool = Field(False, description="GPU only (with tensor_parallel > 1).")
+    distributed_optimizer: bool = Field(False, description="Shard optimizer state over data-parallel ranks (GPU only).")
+    recompute: Literal["none", "selective", "full"] = "none"
+    pack_sequences: bool = Field(True, description="Pack micro-batch samples into one sequence (THD).")
+    micro_batch_tokens: int = Field(4096, ge=1, description="Token budget of one packed micro-batch.")
+
+
 class TrainConfig(Section):
-    backend: Literal["torch"] = "torch"
-    num_ranks: int = Field(2, ge=1)
-    parallel: Literal["ddp"] = "ddp"
+    backend: Literal["torch", "megatron"] = "torch"
+    num_ranks: int = Field(2, ge=1, description="Trainer processes (one per GPU on GPU machines).")
+    parallel: Literal["ddp"] = Field("ddp", description="Parallelism of the torch backend.")
+    precision: Literal["fp32", "bf16"] = Field("fp32", description="Parameter/compute precision (bf16: GPU).")
     lr: float = Field(1e-3, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.999)
@@ -119,6 +153,18 @@ class TrainConfig(Section):
     micro_batch_size: int = Field(64, ge=1)
     grad_clip: float = Field(1.0, gt=0.0)
     num_threads_per_rank: int = Field(1, ge=1)
+    megatron: MegatronConfig = MegatronConfig()
+
+    @model_validator(mode="after")
+    def _layout_divides(self) -> "TrainConfig":
+        m = self.megatron
+        model_parallel = m.tensor_parallel * m.pipeline_parallel * m.context_parallel
+        if self.backend == "megatron" and self.num_ranks % model_parallel:
+            raise ValueError(
+                f"train.num_ranks={self.num_ranks} is not divisible by tensor_parallel*pipeline_parallel*"
+                f"context_parallel={m.tensor_parallel}*{m.pipeline_parallel}*{m.context_parallel}="
+                f"{model_parallel}; set num_ranks to a multiple of {model_parallel}")
+        return self
 
 
 class SyncConfig(Section):
@@ -237,9 +283,15 @@ class ClusterConfig(Section):
     every stage a Slurm job (options from `slurm`)."""
 
     executor: Literal["local", "slurm"] = "local"
+    placement: Literal["colocated", "disaggregated"] = Field(
+        "colocated", description="colocated: trainer and engines share devices (engines sleep while "
+                                 "training). disaggregated: separate devices, overlapping freely.")
     num_nodes: int = Field(1, ge=1, description="Nodes of the block's Ray allocation (slurm; the local "
                                                 "executor always runs on one machine).")
     slurm: SlurmOptions = SlurmOptions()
+    gpu_memory_gb: float = Field(
+        80.0, gt=0, description="Memory of one GPU (80: A100/H100 80GB, 141: H200); `milepost plan` "
+                                "refuses layouts whose per-GPU estimate exceeds it.")
     max_block_retries: int = Field(
         1, ge=0, description="Times a block whose stage failed (a node lost, the allocation gone) is torn "
                              "down and launched again; train resumes from its last checkpoint.")
@@ -263,6 +315,11 @@ class Recipe(Section):
 
     @model_validator(mode="after")
     def _check_cross_field(self) -> "Recipe":
+        if self.cluster.placement == "colocated" and self.loop.max_staleness > 0:
+            raise ValueError(
+                f"loop.max_staleness={self.loop.max_staleness} needs cluster.placement: disaggregated: "
+                "colocated engines sleep while the trainer runs, so nothing can be generated ahead; "
+                "set cluster.placement=disaggregated, or loop.max_staleness=0")
         if self.algo.advantage in ("grpo", "dr_grpo", "rloo") and self.rollout.num_samples_per_prompt < 2:
             raise ValueError(
                 f"rollout.num_samples_per_prompt must be >= 2 for advantage `{self.algo.advantage}` "

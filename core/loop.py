@@ -15,10 +15,10 @@ sync mode on CPU, and with every prompt trained exactly once in both modes.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
@@ -86,8 +86,13 @@ class RLLoop:
                  rewards: RewardEvaluator, transport: WeightTransport,
                  checkpoints: CheckpointManager, exports_dir: Path, stop_token_ids: list[int],
                  decode: Callable[[list[int]], str], state: LoopState,
-                 on_metrics: Callable[[dict[str, Any]], None]) -> None:
+                 on_metrics: Callable[[dict[str, Any]], None],
+                 engines_asleep: Callable[[], ContextManager[None]] | None = None) -> None:
+        """`engines_asleep` (colocated placement): a context in which the engines have given
+        their memory back; each train step runs inside it and the weight push after it wakes
+        them (FleetTransport.asleep)."""
         self.recipe, self.backend, self.router, self.engines = recipe, backend, router, engines
+        self.engines_asleep = engines_asleep or nullcontext
         self.source, self.rollout_fn, self.rewards = source, rollout_fn, rewards
         self.transport, self.checkpoints, self.exports_dir = transport, checkpoints, exports_dir
         self.stop_token_ids, self.decode, self.state = stop_token_ids, decode, state
@@ -119,7 +124,8 @@ class RLLoop:
             prompts=prompts, num_samples_per_prompt=r.rollout.num_samples_per_prompt,
             sampling_params=sampling_params_from(r.rollout, self.stop_token_ids),
             sampling_seed=(r.seed * 1_000_003 + step * 7919) % (2**31),
-            num_engines=r.rollout.num_engines, decode=self.decode)
+            num_engines=r.rollout.num_engines, decode=self.decode,
+            continue_cut_responses=r.rollout.partial_rollout)
         samples = self.rollout_fn(request, self.router)
         self.rewards.score(samples)
         return samples
@@ -134,12 +140,14 @@ class RLLoop:
         rollout_metrics = summarize_rollout(samples)
         rollout_metrics["rollout/staleness"] = float(self.state.policy_version - chunk.min_version)
         rollout_metrics["rollout/num_generations"] = float(chunk.num_generations)
+        rollout_metrics["rollout/mixed_version_samples"] = float(
+            sum(len(s.weight_version_spans) > 1 for s in (chunk.samples or [])))
         rollout_metrics["rollout/dropped_stale_prompts"] = float(len(chunk.prompts) if chunk.dropped_stale else 0)
         with span(timings, "filter"):
             kept, filter_metrics = filter_groups(samples, r.filters)
         with span(timings, "advantages"):
             assign_advantages(kept, r.algo.advantage)
-        with span(timings, "train"):
+        with span(timings, "train"), self.engines_asleep():
             train_metrics = self.backend.train_step(kept, step) if kept else {"train/skipped": 1.0}
         with span(timings, "weight_sync"):
             sync_metrics = self.sync_weights(step)
@@ -152,7 +160,7 @@ class RLLoop:
         export = self.exports_dir / f"{step:08d}"
         self.backend.export_hf(str(export))
         version = str(self.state.policy_version + 1)
-        metrics = self.transport.push(self.engines, str(export), version)
+        metrics = self.transport.push(self.engines, str(export), version, backend=self.backend)
         self.state.policy_version += 1
         self.state.step = step
         self.ahead.advance(self.state.policy_version)

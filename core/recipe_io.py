@@ -95,3 +95,17 @@ def recipe_diff(stored: str, new: str) -> str:
     return "".join(difflib.unified_diff(
         stored.splitlines(keepends=True), new.splitlines(keepends=True),
         fromfile="campaign.yaml (stored)", tofile="this run's recipe"))
+
+
+def same_recipe(stored: str, recipe: Recipe) -> bool:
+    """Whether a campaign's stored recipe is `recipe`. The stored text is read through the
+    current schema first, so a campaign started before a new setting existed (written
+    without it) still resumes as long as that setting keeps its default; a setting the
+    stored recipe names explicitly must match."""
+    resolved = dump_recipe(recipe)
+    if stored == resolved:
+        return True
+    try:
+        return dump_recipe(Recipe.model_validate(yaml.safe_load(stored))) == resolved
+    except (ValidationError, yaml.YAMLError):
+        return False

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from milepost.core.plugins import load_object
+from milepost.core.rewards_math import gsm8k_reward
 from milepost.core.types import Sample
 
 RewardFn = Callable[[str, str], float]
@@ -50,6 +51,7 @@ def math_final_answer_reward(response_text: str, label: str) -> float:
 REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "tiny-arith": tiny_arith_reward,
     "math-final-answer": math_final_answer_reward,
+    "gsm8k": gsm8k_reward,
 }
 
 

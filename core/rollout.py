@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from milepost.core.engine.client import EngineClient
+from milepost.core.partial_rollout import PartialResponse, continue_cut_responses
 from milepost.core.plugins import load_object
 from milepost.core.types import Prompt, Sample
 
@@ -29,6 +30,7 @@ class RolloutRequest:
     sampling_seed: int
     num_engines: int
     decode: Callable[[list[int]], str]
+    continue_cut_responses: bool = True  # see partial_rollout; False: cut responses come back as `abort`
 
 
 class RolloutFn(Protocol):
@@ -51,51 +53,39 @@ def _chunks(items: list[Prompt], num: int) -> list[list[Prompt]]:
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
-def _finish_type(meta: dict[str, Any]) -> str:
-    reason = meta.get("finish_reason") or {}
-    return reason.get("type", "length") if isinstance(reason, dict) else str(reason)
-
-
 def default_rollout(request: RolloutRequest, router: EngineClient) -> list[Sample]:
     n = request.num_samples_per_prompt
     chunks = _chunks(request.prompts, max(1, request.num_engines))
     offsets = [sum(len(c) for c in chunks[:i]) for i in range(len(chunks))]
 
-    def generate(chunk_index: int) -> list[dict[str, Any]]:
+    def generate(chunk_index: int) -> list[PartialResponse]:
         chunk = chunks[chunk_index]
-        params = dict(request.sampling_params, n=n,
-                      sampling_seed=request.sampling_seed + offsets[chunk_index] * n)
-        reply = router.generate(input_ids=[p.prompt_ids for p in chunk], sampling_params=params,
+        seed = request.sampling_seed + offsets[chunk_index] * n
+        reply = router.generate(input_ids=[p.prompt_ids for p in chunk],
+                                sampling_params=dict(request.sampling_params, n=n, sampling_seed=seed),
                                 return_logprob=True)
         outputs = reply if isinstance(reply, list) else [reply]
         if len(outputs) != len(chunk) * n:
             raise RuntimeError(f"engine returned {len(outputs)} outputs for {len(chunk) * n} requests")
-        return outputs
+        responses = [PartialResponse(chunk[j // n], offsets[chunk_index] + j // n, seed + j,
+                                     request.sampling_params["max_new_tokens"]) for j in range(len(outputs))]
+        for response, output in zip(responses, outputs):
+            response.absorb(output)
+        if request.continue_cut_responses:
+            continue_cut_responses(responses, request.sampling_params, continuation)
+        return responses
+
+    def continuation(input_ids: list[list[int]], params: dict[str, Any]) -> list[dict[str, Any]]:
+        reply = router.generate(input_ids=input_ids, sampling_params=params, return_logprob=True)
+        return reply if isinstance(reply, list) else [reply]
 
     with ThreadPoolExecutor(max_workers=len(chunks)) as pool:
-        per_chunk = list(pool.map(generate, range(len(chunks))))
-
-    samples: list[Sample] = []
-    for chunk_index, outputs in enumerate(per_chunk):
-        for j, out in enumerate(outputs):
-            prompt = chunks[chunk_index][j // n]
-            meta = out["meta_info"]
-            response_ids = list(out["output_ids"])
-            logprobs = [float(entry[0]) for entry in meta["output_token_logprobs"]]
-            assert len(logprobs) == len(response_ids), "engine logprobs must align with output ids"
-            samples.append(Sample(
-                prompt_index=prompt.index,
-                group_index=offsets[chunk_index] + j // n,
-                prompt_ids=list(prompt.prompt_ids),
-                response_ids=response_ids,
-                engine_logprobs=logprobs,
-                loss_mask=[1] * len(response_ids),
-                finish_reason=_finish_type(meta),
-                weight_version=str(meta.get("weight_version")),
-                label=prompt.label,
-                response_text=request.decode(response_ids),
-            ))
-    return samples
+        responses = [r for per_chunk in pool.map(generate, range(len(chunks))) for r in per_chunk]
+    return [Sample(prompt_index=r.prompt.index, group_index=r.group_index, prompt_ids=list(r.prompt.prompt_ids),
+                   response_ids=r.output_ids, engine_logprobs=r.logprobs, loss_mask=[1] * len(r.output_ids),
+                   finish_reason=r.finish_reason, weight_version=r.weight_version, label=r.prompt.label,
+                   response_text=request.decode(r.output_ids), weight_version_spans=r.spans)
+            for r in responses]
 
 
 ROLLOUT_FUNCTIONS: dict[str, RolloutFn] = {"default": default_rollout}

@@ -12,8 +12,13 @@ Concurrency rules (enforced here):
   starts only once version c is served, and nothing is generated while weights change.
 - The producer never starts a chunk at or past `limit` (the block's last step): a block
   ends with nothing in flight, and the next block starts from the same place.
-- A chunk whose generation was cut by a weight push (finish reason `abort`) is generated
-  again from the start with the same seed; it is never trained half-made.
+- Responses cut by a weight push are continued under the new policy by the rollout function
+  (core/partial_rollout.py, `rollout.partial_rollout`). A chunk that still comes back with
+  a cut response (partial rollouts off, or a custom rollout function) is generated again
+  from the start with the same seed; it is never trained half-made.
+- A chunk's `min_version` is the oldest version of any of its tokens, and never newer than
+  the version served when the chunk started: the bound holds even for engines that report
+  only the last version of a response.
 - Taking prompts from the source and registering them as in flight happen under one lock, as
   does `snapshot()`: a snapshot accounts for every issued prompt exactly once (trained
   before it, buffered, or in flight), so a resumed run neither loses nor repeats a prompt.
@@ -170,7 +175,7 @@ class RolloutAhead:
                     chunk.num_generations += 1
                     if any(s.finish_reason == "abort" for s in samples):
                         continue  # cut by a weight push: generate it again, same seed
-                    versions = [int(s.weight_version) for s in samples if s.weight_version.isdigit()]
+                    versions = [v for v in (s.oldest_version() for s in samples) if v is not None]
                     chunk.min_version = min([version_at_start, *versions])
                     chunk.rollout_s = time.perf_counter() - start
                     chunk.samples = samples

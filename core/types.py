@@ -37,6 +37,15 @@ class Sample:
     reward: float = 0.0
     advantage: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    # [first response-token index, version] per run of tokens from one policy version (a
+    # response continued across a weight push has several; see core/partial_rollout.py)
+    weight_version_spans: list[list[Any]] = field(default_factory=list)
+
+    def oldest_version(self) -> int | None:
+        """The oldest numeric policy version that produced any of its tokens."""
+        versions = [str(v) for _, v in self.weight_version_spans] or [self.weight_version]
+        numeric = [int(v) for v in versions if v.isdigit()]
+        return min(numeric) if numeric else None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

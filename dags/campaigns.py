@@ -6,6 +6,8 @@ folder, or one per entry of the campaigns file named by `MILEPOST_CAMPAIGNS_FILE
       campaign_url: s3://bucket/campaigns/tiny-arith   # optional
       dag_id: milepost_tiny_arith                   # optional
       tags: [team-a]                                # optional
+      poll_interval_s: 5                            # optional: how often a waiting stage is checked
+      retry_delay_s: 30                             # optional: Airflow's delay before a task retry
 
 `MILEPOST_CAMPAIGNS_ROOT` sets where campaigns are stored by default (`<project>/runs/<name>`).
 Parse time reads YAML files only (see milepost.dags.factory).
@@ -17,7 +19,6 @@ import os
 from pathlib import Path
 
 import yaml
-
 from milepost.dags.factory import build_campaign_dag
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
@@ -39,5 +40,6 @@ _CAMPAIGNS_ROOT = os.environ.get("MILEPOST_CAMPAIGNS_ROOT", str(RECIPES_DIR.pare
 for _entry in campaign_entries():
     _dag = build_campaign_dag(
         _entry["recipe"], dag_id=_entry.get("dag_id"), campaign_url=_entry.get("campaign_url"),
-        campaigns_root=_CAMPAIGNS_ROOT, tags=tuple(_entry.get("tags", ())))
+        campaigns_root=_CAMPAIGNS_ROOT, tags=tuple(_entry.get("tags", ())),
+        **{k: float(_entry[k]) for k in ("poll_interval_s", "retry_delay_s") if k in _entry})
     globals()[_dag.dag_id] = _dag

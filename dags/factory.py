@@ -1,9 +1,12 @@
 """The one definition of a block: `build_campaign_dag(recipe_path)` → a DAG whose run is one
 block of the campaign.
 
-    launch_ray ──► rollout ──► train ──► sync ──► evaluate
-         └──────────── teardown (all_done) ◄──────────┘
+    launch_ray ──► rollout ──► train ──► sync ──► evaluate ──► progress
+         └──────────── teardown (all_done) ◄──────────────────────────┘
                        block_failed (one_failed): fails the run when a stage failed
+
+progress applies the regression gate and triggers the run of the next block (see
+milepost.dags.progress); teardown waits for it, so the lease is released last.
 
 teardown is a leaf with trigger rule `all_done`, so it alone would decide the run's state
 (success even when a stage failed); `block_failed` runs only when a stage failed and fails
@@ -16,22 +19,18 @@ milepost.core, no torch/ray/transformers, no connection.
 from __future__ import annotations
 
 import datetime as dt
-import re
 from pathlib import Path
 from typing import Any
 
 import yaml
 from airflow.sdk import DAG, BaseOperator, Param, TriggerRule
-
+from milepost.dags.names import dag_id_for
 from milepost.dags.operators import StageOperator
 from milepost.dags.params import OVERRIDE_PATTERN, OVERRIDES_DESCRIPTION
+from milepost.dags.progress import ProgressOperator
 
 BLOCK_STAGES = ("launch_ray", "rollout", "train", "sync", "evaluate")
 TAGS = ("milepost", "rl-campaign")
-
-
-def dag_id_for(name: str) -> str:
-    return "milepost_" + re.sub(r"[^A-Za-z0-9_]+", "_", name).strip("_")
 
 
 def _recipe_summary(path: Path) -> tuple[dict[str, Any], str]:
@@ -67,6 +66,12 @@ no worker slot.
 resolved recipe to the store; a later run without overrides uses it, one with overrides
 must resolve to the same recipe (else launch_ray refuses it and says what changed).
 
+**Progression:** after evaluate, the `progress` task applies the regression gate
+(`campaign.max_eval_drop`) and triggers the next block's run (queued until this one ends),
+until `campaign.num_blocks`. A regression pauses the campaign and marks the block
+(`blocks/N/gate.json`); trigger the next block with `resume` to continue from the best
+block's checkpoint. Two runs never write one campaign at once (`<campaign>/lease.json`).
+
 **Retries are safe:** stages are idempotent and checkpointed; a retried train stage resumes
 from its last committed checkpoint, and a stage already recorded `done` is not run again.
 """
@@ -101,6 +106,10 @@ def build_campaign_dag(recipe_path: str | Path, *, dag_id: str | None = None, ca
                            description="Index of the block this run executes (0-based)."),
             "overrides": Param([], type="array", title="Recipe overrides", description=OVERRIDES_DESCRIPTION,
                                items={"type": "string", "pattern": OVERRIDE_PATTERN}),
+            "resume": Param(False, type="boolean", title="Resume a paused campaign",
+                            description="A campaign paused by its regression gate (or a stop request) runs "
+                                        "its next block only with this set; after a regression that block "
+                                        "starts from the best block's checkpoint."),
         },
         default_args={"retries": retries, "retry_delay": dt.timedelta(seconds=retry_delay_s)},
     )
@@ -111,8 +120,9 @@ def build_campaign_dag(recipe_path: str | Path, *, dag_id: str | None = None, ca
             upstream >> downstream
         teardown = StageOperator(task_id="teardown", stage="teardown", recipe_path=str(path),
                                  poll_interval_s=poll_interval_s, trigger_rule=TriggerRule.ALL_DONE, retries=1)
+        progress = ProgressOperator(task_id="progress", retries=retries)
+        stages[-1] >> progress >> teardown
         stages[0] >> teardown
-        stages[-1] >> teardown
         block_failed = BlockFailedOperator(task_id="block_failed", trigger_rule=TriggerRule.ONE_FAILED, retries=0)
         stages >> block_failed
     return dag

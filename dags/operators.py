@@ -20,11 +20,16 @@ import time
 from typing import Any
 
 from airflow.sdk import BaseOperator
+from milepost.dags.names import DRIVER_PID_ENV, EMBEDDED_DRIVER_PID_ENV, LEASE_OWNER_ENV
 
 
-# = milepost.tasks.stage.DRIVER_PID_ENV (not imported: that module pulls in the engine; a test
-# keeps the two equal).
-DRIVER_PID_ENV = "MILEPOST_DRIVER_PID"
+def embedded() -> bool:
+    return bool(os.environ.get(EMBEDDED_DRIVER_PID_ENV))
+
+
+def lease_owner(context: Any) -> str:
+    """Who writes the campaign: the embedded `milepost run`, else this DAG run."""
+    return os.environ.get(LEASE_OWNER_ENV) or f"airflow:{context['dag'].dag_id}/{context['run_id']}"
 
 
 class StageFailedError(RuntimeError):
@@ -58,7 +63,6 @@ class StageOperator(BaseOperator):
 
     def _prepare_campaign(self, url: str, overrides: list[str]) -> None:
         from airflow.sdk.exceptions import AirflowFailException
-
         from milepost.core.recipe_io import load_recipe
         from milepost.tasks.campaign import prepare_campaign
 
@@ -66,6 +70,46 @@ class StageOperator(BaseOperator):
             prepare_campaign(load_recipe(self.recipe_path, list(overrides)), url)
         except ValueError as e:  # RecipeError: a user mistake, which no retry fixes
             raise AirflowFailException(f"{e}\nTrigger the run again with corrected overrides.") from None
+
+    def _claim(self, context: Any, store: Any, recipe: Any, block: int) -> str | None:
+        """The lease (launch_ray takes it, the others renew it), and at launch_ray the campaign
+        checks: paused or stopped, the right next block, what a killed run left behind. None:
+        teardown of a run that never held the lease (another run does; its block is not ours)."""
+        import time as _time
+
+        from airflow.sdk.exceptions import AirflowFailException
+        from milepost.tasks import lease
+        from milepost.tasks.progression import CampaignPaused, check_can_start
+
+        owner = lease_owner(context)
+        if self.stage == "teardown":
+            current = lease.read_lease(store)
+            if current and current.get("owner") != owner and current.get("expires_at", 0.0) > _time.time():
+                self.log.warning("the campaign's lease is held by %s: this run releases nothing of it",
+                                 current.get("owner"))
+                return None
+            return owner
+        try:
+            if self.stage == "launch_ray":
+                lease.acquire(store, owner)
+                check_can_start(store, recipe, block, resume=bool(context["params"].get("resume")))
+                self._release_leftovers(store, block)
+            else:
+                lease.renew(store, owner)
+        except (lease.LeaseHeldError, CampaignPaused) as e:  # no retry changes either
+            raise AirflowFailException(str(e)) from None
+        return owner
+
+    def _release_leftovers(self, store: Any, block: int) -> None:
+        """A block that a killed run left launched (its teardown never ran) is torn down first,
+        so this run does not attach to a dead Ray cluster; train then resumes from its checkpoint."""
+        launch = store.stage_record(block, "launch_ray") or {}
+        block_done = (store.stage_record(block, "evaluate") or {}).get("state") == "done"
+        if launch and launch.get("state") != "released" and not block_done:
+            from milepost.tasks.stage import run_stage
+
+            self.log.info("block %d: releasing what an earlier run left (launch_ray %s)", block, launch.get("state"))
+            run_stage(store.url, block, "teardown")
 
     def execute(self, context: Any) -> dict[str, Any] | None:
         from milepost.core.recipe_io import recipe_from_dict
@@ -83,6 +127,8 @@ class StageOperator(BaseOperator):
                 self.log.info("%s is not a campaign yet (launch_ray did not prepare it): nothing to release", url)
                 return None
             raise StageFailedError(f"{url} has no campaign.yaml: launch_ray prepares it; clear that task")
+        import yaml
+        recipe = recipe_from_dict(yaml.safe_load(store.read_text("campaign.yaml")), "campaign.yaml")
         ids = {"campaign_url": url, "block": block, "stage": self.stage}
         record = store.stage_record(block, self.stage) or {}
         block_done = (store.stage_record(block, "evaluate") or {}).get("state") == "done"
@@ -91,9 +137,10 @@ class StageOperator(BaseOperator):
             self.log.info("block %d %s: %s; keeping the recorded outputs", block, self.stage,
                           "the block is done" if block_done else f"done at {record.get('finished_at')}")
             return {**ids, "job_id": str(record.get("slurm_job_id") or record.get("pid") or "")}
+        owner = self._claim(context, store, recipe, block)  # only a stage that will write needs the lease
+        if owner is None:
+            return None
 
-        import yaml
-        recipe = recipe_from_dict(yaml.safe_load(store.read_text("campaign.yaml")), "campaign.yaml")
         executor = self._executor(recipe, store)
         submitted_at = time.time()
         job = executor.submit(stage_command(url, block, self.stage), name=f"mp-{self.stage}-b{block}")
@@ -103,8 +150,10 @@ class StageOperator(BaseOperator):
 
         self.defer(trigger=StageJobTrigger(url, block, self.stage, executor.name, job.job_id, submitted_at,
                                            pid_created_at=_created_at(job.job_id) if executor.name == "local"
-                                           else None, poll_interval_s=self.poll_interval_s),
-                   method_name="execute_complete", kwargs={"stderr_path": str(job.stderr_path)})
+                                           else None, poll_interval_s=self.poll_interval_s,
+                                           lease_owner=None if self.stage == "teardown" else owner),
+                   method_name="execute_complete",
+                   kwargs={"stderr_path": str(job.stderr_path), "submitted_at": submitted_at})
         return None  # not reached: defer() raises
 
     @staticmethod
@@ -113,7 +162,10 @@ class StageOperator(BaseOperator):
         (it exits when the task defers): no driver pid is passed to the stage."""
         from pathlib import Path
 
-        os.environ.pop(DRIVER_PID_ENV, None)
+        if embedded() and recipe.cluster.executor == "local":
+            os.environ[DRIVER_PID_ENV] = os.environ[EMBEDDED_DRIVER_PID_ENV]
+        else:
+            os.environ.pop(DRIVER_PID_ENV, None)
         root = Path(store.local_path("jobs"))
         if recipe.cluster.executor == "slurm":
             from milepost.slurm.slurm_executor import SlurmExecutor
@@ -121,12 +173,37 @@ class StageOperator(BaseOperator):
         from milepost.slurm.local import LocalExecutor
         return LocalExecutor(root)
 
-    def execute_complete(self, context: Any, event: dict[str, Any], stderr_path: str = "") -> dict[str, Any]:
+    def execute_complete(self, context: Any, event: dict[str, Any], stderr_path: str = "",
+                         submitted_at: float | None = None) -> dict[str, Any]:
         if event.get("status") != "done":
             raise StageFailedError(f"block {event.get('block')} stage {event.get('stage')}: {event.get('detail')}; "
                                    f"stage log: {stderr_path or 'see the job folder under <campaign>/jobs'}")
         self.log.info("block %s %s: %s", event["block"], event["stage"], event.get("detail"))
+        if submitted_at is not None:
+            _record_timing(event, submitted_at)
+        if self.stage == "teardown" and not embedded():
+            from milepost.core.store import CampaignStore
+            from milepost.tasks import lease
+
+            # The run is over once the allocation is released: the next block's run takes the lease.
+            lease.release(CampaignStore(event["campaign_url"]), lease_owner(context))
         return {key: event[key] for key in ("campaign_url", "block", "stage", "job_id")}
+
+
+def _record_timing(event: dict[str, Any], submitted_at: float) -> None:
+    """blocks/N/timings.json, as BlockRunner writes it: per stage, when it was submitted, ran
+    and was seen done (the orchestration overhead is what lies between)."""
+    from milepost.core.store import CampaignStore
+
+    store = CampaignStore(event["campaign_url"])
+    block, stage = int(event["block"]), event["stage"]
+    record = store.stage_record(block, stage) or {}
+    rel = f"blocks/{block:06d}/timings.json"
+    timings = store.read_json(rel) if store.exists(rel) else {"executor": event.get("executor"), "stages": {}}
+    timings["stages"][stage] = {"job_id": event.get("job_id"), "submitted_at": submitted_at,
+                                "started_at": record.get("started_at", 0.0),
+                                "finished_at": record.get("finished_at", 0.0), "returned_at": time.time()}
+    store.write_json(rel, timings)
 
 
 def _created_at(pid: str) -> float | None:

@@ -28,6 +28,8 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 # Clock slack between the worker that submitted a job and the process that recorded its end.
 _CLOCK_SLACK_S = 2.0
+# How often a waiting trigger renews its run's lease (the lease lasts tasks.lease.DEFAULT_TTL_S).
+_LEASE_RENEW_S = 60.0
 
 
 class StageJobTrigger(BaseTrigger):
@@ -36,7 +38,7 @@ class StageJobTrigger(BaseTrigger):
 
     def __init__(self, campaign_url: str, block: int, stage: str, executor: str, job_id: str,
                  submitted_at: float, pid_created_at: float | None = None,
-                 poll_interval_s: float = 5.0, **kwargs: Any) -> None:
+                 poll_interval_s: float = 5.0, lease_owner: str | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if executor not in ("local", "slurm"):
             raise ValueError(f"executor must be `local` or `slurm`, got {executor!r}")
@@ -48,12 +50,15 @@ class StageJobTrigger(BaseTrigger):
         self.submitted_at = float(submitted_at)
         self.pid_created_at = pid_created_at
         self.poll_interval_s = float(poll_interval_s)
+        self.lease_owner = lease_owner
+        self._renewed_at = time.monotonic()
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (f"{type(self).__module__}.{type(self).__qualname__}", {
             "campaign_url": self.campaign_url, "block": self.block, "stage": self.stage,
             "executor": self.executor, "job_id": self.job_id, "submitted_at": self.submitted_at,
-            "pid_created_at": self.pid_created_at, "poll_interval_s": self.poll_interval_s})
+            "pid_created_at": self.pid_created_at, "poll_interval_s": self.poll_interval_s,
+            "lease_owner": self.lease_owner})
 
     # --- the store (blocking: called through asyncio.to_thread) ------------------------------
     def _record(self) -> dict[str, Any]:
@@ -71,6 +76,21 @@ class StageJobTrigger(BaseTrigger):
                              "stage": self.stage, "executor": self.executor, "job_id": self.job_id,
                              "record_state": record.get("state"), "detail": detail, **extra})
 
+    def _renew_lease(self) -> str | None:
+        """Keep the run's campaign lease while its stage runs (a stage may run for hours); the
+        reason when it was lost to another run."""
+        if not self.lease_owner or time.monotonic() - self._renewed_at < _LEASE_RENEW_S:
+            return None
+        from milepost.core.store import CampaignStore
+        from milepost.tasks.lease import LeaseHeldError, renew
+
+        try:
+            renew(CampaignStore(self.campaign_url), self.lease_owner)
+        except LeaseHeldError as e:
+            return str(e)
+        self._renewed_at = time.monotonic()
+        return None
+
     # --- waiting -------------------------------------------------------------------------
     def _controller_alive(self) -> bool:
         import psutil
@@ -85,6 +105,9 @@ class StageJobTrigger(BaseTrigger):
 
     async def _wait_local(self) -> TriggerEvent:
         while True:
+            lost = await asyncio.to_thread(self._renew_lease)
+            if lost:
+                return self._event("failed", lost, {})
             record = await asyncio.to_thread(self._record)
             if self._finished_now(record):
                 return self._event("done", "stage recorded done", record)
@@ -99,7 +122,14 @@ class StageJobTrigger(BaseTrigger):
     async def _wait_slurm(self) -> TriggerEvent:
         from milepost.slurm.state import Outcome, SlurmStatePoller
 
-        state = await SlurmStatePoller(self.job_id, interval_s=self.poll_interval_s).wait()
+        waiting = asyncio.ensure_future(SlurmStatePoller(self.job_id, interval_s=self.poll_interval_s).wait())
+        while not waiting.done():
+            lost = await asyncio.to_thread(self._renew_lease)
+            if lost:
+                waiting.cancel()
+                return self._event("failed", lost, {})
+            await asyncio.wait({waiting}, timeout=max(self.poll_interval_s, 1.0))
+        state = waiting.result()
         record = await asyncio.to_thread(self._record)
         extra = {"outcome": state.outcome.value, "slurm_state": state.slurm_state, "exit_code": state.exit_code}
         if state.outcome is Outcome.DONE and record.get("state") == "done":

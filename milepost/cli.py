@@ -1,6 +1,7 @@
 """`milepost` command line: run a campaign, show its status.
 
-Exit codes: 0 done, 2 bad input (recipe, flag, dataset), 1 runtime failure.
+Exit codes: 0 done, 2 bad input (recipe, flag, dataset; a campaign paused or run by another
+process), 1 runtime failure, 3 the campaign paused (regression gate) or stopped on request.
 """
 
 from __future__ import annotations
@@ -30,9 +31,22 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a recipe value, e.g. --set train.lr=1e-4 (repeatable)")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.add_argument("--resume", action="store_true",
+                     help="resume a campaign paused by its regression gate or a stop request")
     status = sub.add_parser("status", help="show a campaign's blocks, evals and latest checkpoint")
     status.add_argument("campaign", help="campaign store URL or folder")
     status.add_argument("--json", action="store_true", help="machine-readable output")
+    air = sub.add_parser("airflow", help="start or stop a local Airflow (standalone) running the project's DAGs")
+    air.add_argument("action", choices=("up", "down", "status"))
+    air.add_argument("--work", default="runs/airflow", help="its folder: AIRFLOW_HOME, log, pid (default %(default)s)")
+    air.add_argument("--port", type=int, help="API server/UI port on 127.0.0.1 (default: a free one)")
+    air.add_argument("--parallelism", type=int, default=4, help="task slots (default %(default)s)")
+    plan = sub.add_parser("plan", help="devices per role, parallel layout and memory per GPU of a recipe; "
+                                       "exit 2 if it does not divide or fit")
+    plan.add_argument("recipe", nargs="?", help="YAML recipe, e.g. recipes/qwen3-8b-gsm8k.yaml")
+    plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                      help="override a recipe value before planning (repeatable)")
+    plan.add_argument("--models", action="store_true", help="list the shipped model configs (model.catalog)")
     return parser
 
 
@@ -47,8 +61,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except (RecipeError, ValueError) as e:
         print(f"milepost: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    run_campaign(prepared, show_progress=not args.quiet)
-    return EXIT_OK
+    from milepost.tasks.lease import LeaseHeldError
+    from milepost.tasks.progression import CampaignPaused
+
+    try:  # blocks run as runs of the campaign's Airflow DAG, in-process (embedded mode)
+        return run_campaign(prepared, show_progress=not args.quiet, resume=args.resume)
+    except (LeaseHeldError, CampaignPaused) as e:
+        print(f"milepost: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -63,12 +83,24 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from milepost.core.plan.command import run_plan
+
+    return run_plan(args.recipe, args.overrides, args.models)
+
+
+def _cmd_airflow(args: argparse.Namespace) -> int:
+    from milepost.airflow_cmd import main as airflow_main
+
+    return airflow_main(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call drowns the progress
     args = build_parser().parse_args(argv)
     try:
-        return {"run": _cmd_run, "status": _cmd_status}[args.command](args)
+        return {"run": _cmd_run, "status": _cmd_status, "plan": _cmd_plan, "airflow": _cmd_airflow}[args.command](args)
     except KeyboardInterrupt:
         return EXIT_RUNTIME
     except Exception as e:  # noqa: BLE001 - a runtime failure: say what broke, exit 1

@@ -1,4 +1,5 @@
-"""A campaign on the embedded defaults: validate everything, then run each block's stages.
+"""A campaign on the embedded defaults: validate everything, then run its blocks through the
+campaign's Airflow DAG in-process (see tasks.airflow_local).
 
 Validation (recipe, datasets, reward and rollout import paths) happens before anything is
 written to the store, so bad input exits 2 with nothing written.
@@ -6,14 +7,20 @@ written to the store, so bad input exits 2 with nothing written.
 
 from __future__ import annotations
 
+import logging
+import os
+import subprocess
+import time
 from dataclasses import dataclass
 
 from milepost.core.config import Recipe
 from milepost.core.data.source import load_rows
-from milepost.core.recipe_io import RecipeError, dump_recipe, recipe_diff
+from milepost.core.recipe_io import RecipeError, dump_recipe, recipe_diff, same_recipe
 from milepost.core.reward import resolve_reward_fn
 from milepost.core.rollout import resolve_rollout_fn
 from milepost.core.store import CampaignStore
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -42,7 +49,7 @@ def prepare_campaign(recipe: Recipe, url: str) -> PreparedCampaign:
     resolved = dump_recipe(recipe)
     if store.exists("campaign.yaml"):
         stored = store.read_text("campaign.yaml")
-        if stored != resolved:
+        if not same_recipe(stored, recipe):
             raise RecipeError(
                 f"campaign {url} was started with a different recipe; resume it with the same "
                 f"recipe, or pass a new --campaign. What changed:\n{recipe_diff(stored, resolved)}")
@@ -51,9 +58,89 @@ def prepare_campaign(recipe: Recipe, url: str) -> PreparedCampaign:
     return PreparedCampaign(recipe=recipe, store=store)
 
 
-def run_campaign(prepared: PreparedCampaign, show_progress: bool = True) -> None:
-    from milepost.tasks.block import BlockRunner
+def run_campaign(prepared: PreparedCampaign, show_progress: bool = True, resume: bool = False) -> int:
+    """Run the campaign's remaining blocks through its Airflow DAG, in-process (embedded mode,
+    see tasks.airflow_local), under the campaign's lease. Returns an exit status of
+    tasks.airflow_local: 0 done, 3 paused or stopped, 1 a block failed.
 
-    runner = BlockRunner(prepared.recipe, prepared.store, show_progress=show_progress)
-    for block in range(prepared.recipe.campaign.num_blocks):
-        runner.run_block(block)
+    Raises LeaseHeldError (another run writes the campaign) or CampaignPaused (paused or
+    stopped and not `resume`) before any block starts."""
+    from milepost.dags.names import dag_id_for
+    from milepost.tasks.airflow_local import EXIT_DONE, child_command, embedded_env
+    from milepost.tasks.lease import LeaseKeeper, local_owner
+    from milepost.tasks.progression import check_can_start, next_block
+
+    recipe, store = prepared.recipe, prepared.store
+    owner = local_owner()
+    with LeaseKeeper(store, owner):
+        block = next_block(store, recipe)
+        if block is None:
+            log.info("campaign %s is complete (%d blocks)", store.url, recipe.campaign.num_blocks)
+            return EXIT_DONE
+        check_can_start(store, recipe, block, resume)
+        url = store.url if "://" in store.url else os.path.abspath(store.url)
+        dag_id = dag_id_for(recipe.campaign.name)
+        child = subprocess.Popen(child_command(url, dag_id), env=embedded_env(store, dag_id, os.getpid(), owner))
+        try:
+            _follow(store, recipe, child, show_progress)
+        finally:
+            if child.poll() is None:  # interrupted: the child's stage jobs die with this process
+                child.terminate()
+            child.wait()
+        return child.returncode
+
+
+STAGES = ("launch_ray", "rollout", "train", "sync", "evaluate")
+
+
+def _follow(store: CampaignStore, recipe: Recipe, child: subprocess.Popen, show_progress: bool) -> None:
+    """What `milepost run` shows while the DAG runs: where each block's task log is, each stage
+    as it finishes, a progress bar of the train stage, each block's held-out accuracy."""
+    from milepost.tasks.airflow_local import block_log
+    from milepost.tasks.progression import next_block
+    from tqdm import tqdm
+
+    shown: set[tuple[int, str]] = set()
+    bar, current = None, None
+    spb = recipe.campaign.steps_per_block
+    while True:
+        running = child.poll() is None
+        for b in () if current is None else (current,):
+            for stage in STAGES:
+                record = store.stage_record(b, stage) or {}
+                if record.get("state") == "done" and (b, stage) not in shown:
+                    shown.add((b, stage))
+                    if bar is not None and stage == "train":
+                        bar.n = spb
+                        bar.close()
+                        bar = None
+                    took = float(record.get("finished_at", 0.0)) - float(record.get("started_at", 0.0))
+                    log.info("block %d: %s done (%.1fs)", b, stage, took)
+                    if stage == "evaluate":
+                        _report_eval(store, recipe, b, record)
+        block = next_block(store, recipe) if running else None
+        if block is not None and block != current:
+            current = block
+            log.info("block %d (last: %d) runs as one run of the campaign's Airflow DAG, in this process; "
+                     "its task log: %s", block, recipe.campaign.num_blocks - 1, block_log(store, block))
+        if show_progress and current is not None and (current, "train") not in shown and \
+                (store.stage_record(current, "train") or {}).get("state") == "running":
+            rows = store.read_metrics(current)
+            if bar is None:
+                bar = tqdm(total=spb, desc=f"block {current}")
+            bar.n = max(0, rows[-1]["step"] - current * spb) if rows else 0
+            if rows:
+                bar.set_postfix(reward=f"{rows[-1].get('rollout/reward_mean', float('nan')):.3f}")
+            bar.refresh()
+        if not running:
+            break
+        time.sleep(1.0)
+    if bar is not None:
+        bar.close()
+
+
+def _report_eval(store: CampaignStore, recipe: Recipe, block: int, record: dict) -> None:
+    accuracy = record["eval"]["accuracy"]
+    base = store.read_json("base_eval.json")["accuracy"] if store.exists("base_eval.json") else None
+    versus = f" (base policy {base:.3f}, {accuracy - base:+.3f})" if base is not None else ""
+    log.info("block %d (last: %d): held-out accuracy %.3f%s", block, recipe.campaign.num_blocks - 1, accuracy, versus)

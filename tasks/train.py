@@ -18,7 +18,7 @@ from milepost.core.loop import LoopState, RLLoop
 from milepost.core.model.loading import load_tokenizer
 from milepost.core.reward import RewardEvaluator, resolve_reward_fn
 from milepost.core.rollout import resolve_rollout_fn
-from milepost.core.train.torch_backend import TorchBackend
+from milepost.core.train.factory import create_backend
 from milepost.core.weight_sync import build_transport
 from milepost.tasks.context import StageContext
 
@@ -52,9 +52,9 @@ def run_train_stage(ctx: StageContext) -> dict[str, Any]:
 
 def _train(ctx: StageContext, fleet: Any, tokenizer: Any, start_path: str) -> dict[str, Any]:
     recipe, store, block, last_step = ctx.recipe, ctx.store, ctx.block, ctx.last_step()
-    backend = TorchBackend.create(start_path, recipe.train, recipe.algo,
-                                  temperature=recipe.rollout.temperature, seed=recipe.seed,
-                                  total_steps=recipe.campaign.num_blocks * recipe.campaign.steps_per_block)
+    backend = create_backend(start_path, recipe.train, recipe.algo,
+                             temperature=recipe.rollout.temperature, seed=recipe.seed,
+                             total_steps=recipe.campaign.num_blocks * recipe.campaign.steps_per_block)
     try:
         state = _restore(ctx, backend)
         rows = load_rows(recipe.data.train_path, recipe.data.prompt_key, recipe.data.label_key,
@@ -77,17 +77,20 @@ def _train(ctx: StageContext, fleet: Any, tokenizer: Any, start_path: str) -> di
             bar.update(1)
             bar.set_postfix(reward=f"{row['rollout/reward_mean']:.3f}")
 
+        transport = FleetTransport(fleet, build_transport(recipe.sync))
+        colocated = recipe.cluster.placement == "colocated"
         loop = RLLoop(recipe, backend=backend, router=fleet.router_client,
                       engines=fleet.clients, source=source,
                       rollout_fn=resolve_rollout_fn(recipe.rollout.function),
                       rewards=RewardEvaluator(resolve_reward_fn(recipe.reward.function),
                                               recipe.reward.num_workers),
-                      transport=FleetTransport(fleet, build_transport(recipe.sync.transport)),
+                      transport=transport,
                       checkpoints=ctx.checkpoints,
                       exports_dir=Path(store.local_path("exports", "steps")),
                       stop_token_ids=[tokenizer.eos_token_id],
                       decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                      state=state, on_metrics=on_metrics)
+                      state=state, on_metrics=on_metrics,
+                      engines_asleep=transport.asleep if colocated else None)
         loop.run_until(last_step)
         bar.close()
         fleet.raise_if_failed()

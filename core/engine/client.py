@@ -75,18 +75,60 @@ class EngineClient:
             "model_path": model_path, "load_format": None, "abort_all_requests": abort_all_requests,
             "weight_version": weight_version, "flush_cache": flush_cache}, timeout_s)
 
-    def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> dict[str, Any]:
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = True,
+                              timeout_s: float | None = None) -> dict[str, Any]:
         return self._control("/update_weight_version",
-                             {"new_version": new_version, "abort_all_requests": abort_all_requests})
+                             {"new_version": new_version, "abort_all_requests": abort_all_requests}, timeout_s)
 
-    def pause(self, mode: str = "abort") -> dict[str, Any]:
-        return self._call("POST", "/pause_generation", {"mode": mode})
+    # ---- session weight updates: begin → update_* (buckets) → update_weight_version → end ----
+    def begin_weight_update(self, selector: str = "all", timeout_s: float | None = None) -> dict[str, Any]:
+        return self._control("/begin_weight_update", {"selector": selector}, timeout_s)
 
-    def continue_generation(self) -> dict[str, Any]:
-        return self._call("POST", "/continue_generation", {})
+    def end_weight_update(self, abort: bool = False, timeout_s: float | None = None) -> dict[str, Any]:
+        """Close the session. `abort`: the built-in engine discards what the session staged
+        (SGLang, which loads each bucket at once, has nothing to discard and ignores it)."""
+        return self._control("/end_weight_update", {"abort": True} if abort else {}, timeout_s)
 
-    def flush_cache(self) -> Any:
-        return self._call("POST", "/flush_cache")
+    def update_weights_from_tensor(self, serialized_named_tensors: list[str],
+                                   load_format: str | None = "flattened_bucket", flush_cache: bool = True,
+                                   weight_version: str | None = None,
+                                   timeout_s: float | None = None) -> dict[str, Any]:
+        """One bucket; `serialized_named_tensors` holds one entry per TP rank (on CPU: a
+        milepost.core.weight_sync.wire shared-memory descriptor)."""
+        return self._control("/update_weights_from_tensor", {
+            "serialized_named_tensors": serialized_named_tensors, "load_format": load_format,
+            "flush_cache": flush_cache, "weight_version": weight_version}, timeout_s)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str = "weight_update_group",
+                                  backend: str = "nccl", timeout_s: float | None = None) -> dict[str, Any]:
+        """Returns once every rank joined (the trainer, rank 0, must join meanwhile)."""
+        return self._control("/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend}, timeout_s)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str = "weight_update_group",
+                                        load_format: str | None = None, flush_cache: bool = True,
+                                        weight_version: str | None = None,
+                                        timeout_s: float | None = None) -> dict[str, Any]:
+        """One bucket; returns once the trainer's broadcast (src 0, same order) arrived."""
+        return self._control("/update_weights_from_distributed", {
+            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+            "flush_cache": flush_cache, "weight_version": weight_version, "load_format": load_format}, timeout_s)
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group",
+                                     timeout_s: float | None = None) -> dict[str, Any]:
+        return self._control("/destroy_weights_update_group", {"group_name": group_name}, timeout_s)
+
+    def pause(self, mode: str = "abort", timeout_s: float | None = None) -> dict[str, Any]:
+        return self._call("POST", "/pause_generation", {"mode": mode}, timeout_s)
+
+    def continue_generation(self, timeout_s: float | None = None) -> dict[str, Any]:
+        return self._call("POST", "/continue_generation", {}, timeout_s)
+
+    def flush_cache(self, timeout_s: float | None = None) -> Any:
+        return self._call("POST", "/flush_cache", None, timeout_s)
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> Any:
         return self._call("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
@@ -103,8 +145,21 @@ class EngineClient:
         except httpx.HTTPError:
             return False
 
-    def model_info(self) -> dict[str, Any]:
-        return self._call("GET", "/model_info")
+    def release_memory_occupation(self, tags: list[str] | None = None,
+                                  timeout_s: float | None = None) -> dict[str, Any]:
+        """Give back memory while a colocated trainer runs (tags: weights, kv_cache, cuda_graph)."""
+        return self._control("/release_memory_occupation", {"tags": tags}, timeout_s)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None,
+                                 timeout_s: float | None = None) -> dict[str, Any]:
+        return self._control("/resume_memory_occupation", {"tags": tags}, timeout_s)
+
+    def get_load(self, timeout_s: float | None = None) -> list[dict[str, Any]]:
+        """GET /get_load: `[{"num_tokens": N}]`, tokens queued and running (per DP rank)."""
+        return self._call("GET", "/get_load", None, timeout_s)
+
+    def model_info(self, timeout_s: float | None = None) -> dict[str, Any]:
+        return self._call("GET", "/model_info", None, timeout_s)
 
     def server_info(self) -> dict[str, Any]:
         return self._call("GET", "/server_info")

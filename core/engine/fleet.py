@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import tempfile
 import threading
-from typing import Any, Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import httpx
 import ray
@@ -30,6 +30,9 @@ from milepost.core.engine.client import EngineClient
 from milepost.core.engine.retrying import RetryingClient
 from milepost.core.engine.router import Router
 from milepost.core.engine.supervisor import FleetError, FleetSupervisor, Slot
+
+if TYPE_CHECKING:  # the fleet does not depend on which transports exist
+    from milepost.core.weight_sync.base import WeightTransport
 
 __all__ = ["EngineActor", "Fleet", "FleetError", "FleetTransport"]
 
@@ -74,6 +77,7 @@ class Fleet:
         self.lock = threading.RLock()
         self.served: tuple[str, str] = (model_path, weight_version)
         self.pushing = threading.Event()
+        self.sleeping = threading.Event()  # colocated: engines gave their memory back (FleetTransport.asleep)
         self.actors: list[Any] = []
         self.engine_urls: list[str] = []
         self.clients: list[EngineClient] = []
@@ -246,16 +250,6 @@ def _named_actor(name: str) -> Any:
         return None
 
 
-class WeightTransport(Protocol):
-    """What `milepost.core.weight_sync` transports provide (not imported: the fleet must not
-    depend on which transports exist). `backend` is passed only when given."""
-
-    name: str
-
-    def push(self, clients: list[EngineClient], export_dir: str, version: str,
-             **backend: Any) -> dict[str, float]: ...
-
-
 class FleetTransport:
     """A weight transport that knows the fleet: it pushes to the engines serving now (an
     engine being restarted is skipped: it loads the recorded weights when admitted), holds
@@ -286,5 +280,39 @@ class FleetTransport:
                         raise
                     continue
                 self.fleet.record_served(export_dir, version)
+                if self.fleet.sleeping.is_set():  # every engine holds real weights again
+                    self.fleet.sleeping.clear()
+                    metrics = {**metrics, "sync/engines_woken": float(len(live))}
                 return metrics
         raise AssertionError("unreachable")
+
+    @contextlib.contextmanager
+    def asleep(self, timeout_s: float = 120.0) -> Iterator[None]:
+        """Colocated placement: the engines give their memory back for the body (the trainer's
+        step) and take it again at its end, empty; the push that follows fills it.
+
+        Rules: `fleet.sleeping` is set from the release until that push succeeds, so health
+        checks of engines that answer 503 meanwhile are not counted (a process that is gone
+        still is). If the body raises, the engines are woken and reload the weights the
+        fleet last served, so they serve consistently whatever the caller does next.
+        """
+        self.fleet.sleeping.set()
+        with self.fleet.weight_push() as live:
+            for c in live:
+                c.release_memory_occupation(["weights", "kv_cache"], timeout_s=timeout_s)
+        try:
+            yield
+        except BaseException:
+            self._wake(timeout_s, reload=True)
+            raise
+        self._wake(timeout_s, reload=False)
+
+    def _wake(self, timeout_s: float, reload: bool) -> None:
+        with self.fleet.weight_push() as live:
+            for c in live:
+                c.resume_memory_occupation(["weights", "kv_cache"], timeout_s=timeout_s)
+                if reload:
+                    path, version = self.fleet.served
+                    c.update_weights_from_disk(path, weight_version=version, timeout_s=timeout_s)
+        if reload:
+            self.fleet.sleeping.clear()

@@ -25,6 +25,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from milepost.core.engine.generation import Generator, SamplingParams, Sequence, make_sequences
+from milepost.core.engine.memory import MemoryOccupation, parse_tags
+from milepost.core.engine.weight_receiver import WeightReceiver
+from milepost.core.engine.weight_routes import add_weight_routes, client_gone
 
 log = logging.getLogger("milepost.engine")
 
@@ -50,14 +53,17 @@ class Scheduler:
 
     Concurrency: queue, running batch and pause state change only under `_cv`. Weights are
     guarded by `model_lock`, held by the generator around each forward and by a weight update
-    while it copies (`_updating` keeps new batches from starting meanwhile); `model_lock` is
+    while it swaps tensors in (`_updating` keeps new batches from starting meanwhile); `model_lock` is
     never taken while `_cv` is held, nor the reverse. A batch takes every queued
     sequence (up to max_batch_size); requests that arrive meanwhile wait for the next batch.
     While paused nothing new is scheduled; `abort` / `retract` pauses return once the running
     batch has ended, `in_place` returns at once and parks the batch between steps.
+    Session weight updates (begin → buckets → version → end) are staged by `receiver` and
+    swapped in under `model_lock` at their end (rules in WeightReceiver).
     """
 
-    def __init__(self, model_path: str, weight_version: str = "0", max_batch_size: int = 512) -> None:
+    def __init__(self, model_path: str, weight_version: str = "0", max_batch_size: int = 512,
+                 weight_update_timeout_s: float = 300.0) -> None:
         self.model_path, self.weight_version, self.max_batch_size = model_path, weight_version, max_batch_size
         self.ready, self.load_error = False, None
         self.model_lock = threading.Lock()
@@ -66,6 +72,8 @@ class Scheduler:
         self._running: list[Sequence] = []
         self._paused: str | None = None
         self._updating = False
+        self.receiver = WeightReceiver(self, weight_update_timeout_s)
+        self.memory = MemoryOccupation(self)
 
     def load(self) -> None:
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).eval()
@@ -147,6 +155,15 @@ class Scheduler:
             s.finish_reason = {"type": "abort", "message": message}
             s.on_done(s)
 
+    def busy_reason(self) -> str | None:
+        """Why the engine is not idle (requests running or queued), or None."""
+        with self._cv:
+            running, queued = len(self._running), len(self._queue)
+        if running or queued:
+            return (f"{running} requests running and {queued} queued: pause generation or let "
+                    "them finish first")
+        return None
+
     def num_running(self) -> int:
         with self._cv:
             return len(self._running)
@@ -159,6 +176,9 @@ class Scheduler:
     def update_weights(self, path: str, version: str | None, flush_cache: bool,
                        abort_all: bool) -> tuple[bool, str]:
         """Copy safetensors weights from an HF folder into the live model, in place."""
+        problem = self.memory.update_problem()
+        if problem:
+            return False, problem
         files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
         if not files:
             return False, f"no *.safetensors in {path}"
@@ -176,13 +196,14 @@ class Scheduler:
             if flush_cache and self._running:
                 return False, "cannot flush cache while requests are running: pause first"
             self._updating = True  # no new batch starts; _cv is free for submit() meanwhile
-        try:
-            with self.model_lock:
-                self.model.load_state_dict(state, strict=False)
+        try:  # fresh tensors are swapped in, never copied into live ones (they may be shared)
+            problem = self.receiver.adopt(state)
         finally:
             with self._cv:
                 self._updating = False
                 self._cv.notify_all()
+        if problem:
+            return False, problem
         self.model_path = path
         if version is not None:
             self.weight_version = str(version)
@@ -303,6 +324,14 @@ def _response(s: Sequence, sched: Scheduler, body: dict, skip_special: bool, t0:
     return {"text": text, "output_ids": list(s.output_ids), "meta_info": meta}
 
 
+async def _memory_call(request: Request, call: Any) -> JSONResponse:
+    tags = parse_tags(await _json(request) if await request.body() else {})
+    if isinstance(tags, str):
+        raise BadRequest(tags)
+    status, message = await asyncio.to_thread(call, tags)
+    return JSONResponse({"success": status == 200, "message": message}, status_code=status)
+
+
 async def _json(request: Request) -> dict:
     try:
         body = await request.json()
@@ -325,6 +354,8 @@ def create_app(sched: Scheduler) -> FastAPI:
         body, t0 = await _json(request), time.time()
         if not sched.ready:
             return _error("model is loading", 503)
+        if problem := sched.memory.serving_problem():
+            return _error(problem, 503)
         if body.get("stream"):
             raise BadRequest("streaming is not supported by the built-in engine")
         params, n, skip = parse_sampling(body.get("sampling_params"))
@@ -343,6 +374,8 @@ def create_app(sched: Scheduler) -> FastAPI:
         body = await _json(request)
         if not isinstance(body.get("model_path"), str):
             raise BadRequest("`model_path` (str) is required")
+        if sched.receiver.in_session():
+            raise BadRequest("a weight-update session is open: end it before loading from disk")
         ok, msg = await asyncio.to_thread(
             sched.update_weights, body["model_path"], body.get("weight_version"),
             bool(body.get("flush_cache", True)), bool(body.get("abort_all_requests", False)))
@@ -353,6 +386,8 @@ def create_app(sched: Scheduler) -> FastAPI:
         mode = (await _json(request)).get("mode", "abort")
         if mode not in ("abort", "retract", "in_place"):
             raise BadRequest("`mode` must be abort, retract or in_place")
+        if await client_gone(request):  # its caller timed out (e.g. we were stopped) and may
+            raise BadRequest("client went away")  # already have sent continue: do not pause
         await asyncio.to_thread(sched.pause, mode)
         return {"success": True, "message": f"paused ({mode})"}
 
@@ -374,6 +409,9 @@ def create_app(sched: Scheduler) -> FastAPI:
             raise BadRequest("`new_version` is required")
         if body.get("abort_all_requests", True):
             sched.abort("all", "weight version updated")
+        if sched.receiver.stage_version(str(body["new_version"])):
+            return {"success": True, "message": f"weight_version {body['new_version']} takes effect at "
+                                                "/end_weight_update, with the session's weights"}
         sched.weight_version = str(body["new_version"])
         return {"success": True, "message": f"weight_version={sched.weight_version}"}
 
@@ -383,6 +421,16 @@ def create_app(sched: Scheduler) -> FastAPI:
         sched.abort("all" if body.get("abort_all") else str(body.get("rid", "")), "aborted by request")
         return {"success": True, "message": "ok"}
 
+    add_weight_routes(app, sched, sched.receiver)
+
+    @app.post("/release_memory_occupation")
+    async def release_memory(request: Request) -> Any:
+        return await _memory_call(request, sched.memory.release)
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory(request: Request) -> Any:
+        return await _memory_call(request, sched.memory.resume)
+
     @app.get("/health")
     async def health() -> Any:
         return JSONResponse({}, status_code=200) if sched.ready else _error("model is loading", 503)
@@ -391,6 +439,8 @@ def create_app(sched: Scheduler) -> FastAPI:
     async def health_generate() -> Any:
         if not sched.ready:
             return _error("model is loading", 503)
+        if problem := sched.memory.serving_problem():
+            return _error(problem, 503)
         await sched.submit(make_sequences([0], SamplingParams(max_new_tokens=1, temperature=0.0), 1, "health"))
         return JSONResponse({}, status_code=200)
 
@@ -413,9 +463,10 @@ def create_app(sched: Scheduler) -> FastAPI:
     return app
 
 
-def serve(model_path: str, host: str, port: int, weight_version: str = "0", max_batch_size: int = 512) -> None:
+def serve(model_path: str, host: str, port: int, weight_version: str = "0", max_batch_size: int = 512,
+          weight_update_timeout_s: float = 300.0) -> None:
     """Bind at once (health answers 503), load the model in the background, serve forever."""
-    sched = Scheduler(model_path, weight_version, max_batch_size)
+    sched = Scheduler(model_path, weight_version, max_batch_size, weight_update_timeout_s)
     threading.Thread(target=load_engine, args=(sched,), daemon=True, name="engine-load").start()
     uvicorn.run(create_app(sched), host=host, port=port, log_level="warning")
 
@@ -427,8 +478,11 @@ def main() -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--weight-version", default="0")
     ap.add_argument("--max-batch-size", type=int, default=512)
+    ap.add_argument("--weight-update-timeout-s", type=float, default=300.0,
+                    help="idle time after which a weight-update session is stale; also the "
+                         "timeout of the weight-update group's rendezvous and broadcasts")
     a = ap.parse_args()
-    serve(a.model_path, a.host, a.port, a.weight_version, a.max_batch_size)
+    serve(a.model_path, a.host, a.port, a.weight_version, a.max_batch_size, a.weight_update_timeout_s)
 
 
 if __name__ == "__main__":

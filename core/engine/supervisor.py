@@ -83,8 +83,9 @@ class FleetSupervisor:
       weight push holds (`FleetTransport`). So a new engine is installed either before a push
       (and receives it) or after its record (and loads what it recorded): never in between.
     - Lock order: `fleet.lock` before `self._lock`, never the reverse.
-    - While `fleet.pushing` is set, failed health checks are not counted: a paused engine
-      holds /health_generate back until `continue`. A process that is gone still counts.
+    - While `fleet.pushing` or `fleet.sleeping` is set, failed health checks are not counted:
+      a paused engine holds /health_generate back until `continue`, a sleeping one answers
+      503 until the next push. A process that is gone still counts.
     - `error` is set once; then every watch thread exits and nothing is restarted again.
     """
 
@@ -192,8 +193,8 @@ class FleetSupervisor:
         gone = self._gone(slot)
         if gone:
             return gone
-        if self.fleet.pushing.is_set():
-            return None  # a paused engine holds health requests back: not a failure
+        if self.fleet.pushing.is_set() or self.fleet.sleeping.is_set():
+            return None  # paused: holds health requests back; asleep: answers 503. Not failures
         if slot.state == "starting":  # grace period: only the start-up timeout counts
             slot.startup_failures += 1
             waited = time.monotonic() - slot.launched_at

@@ -2,50 +2,30 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from milepost.core.engine.client import EngineClient, EngineError
-from milepost.core.engine.router import Router, free_port
+from milepost.core.engine.router import Router
 
-
-def _tiny(path: Path, seed: int, vocab: int = 32) -> str:
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                      eos_token_id=1, pad_token_id=0)
-    Qwen2ForCausalLM(cfg).save_pretrained(path)
-    return str(path)
+from tinymodels import save_tiny_qwen2, start_engines, stop_engines
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> tuple[str, str]:
     root = tmp_path_factory.mktemp("models")
-    return _tiny(root / "v0", 0), _tiny(root / "v1", 1)
+    return save_tiny_qwen2(root / "v0", 0), save_tiny_qwen2(root / "v1", 1)
 
 
 @pytest.fixture(scope="module")
 def engine(models, tmp_path_factory):
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("logs") / "engine.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "milepost.core.engine.server", "--model-path", models[0],
-                             "--host", "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
-    client = EngineClient(f"http://127.0.0.1:{port}", timeout_s=60)
-    deadline = time.monotonic() + 120
-    while not client.health() and time.monotonic() < deadline:
-        assert proc.poll() is None, "engine exited"
-        time.sleep(0.2)
-    yield client
-    proc.terminate()
-    proc.wait(15)
+    started = start_engines(models[0], tmp_path_factory.mktemp("logs"))
+    yield started[0][1]
+    stop_engines(started)
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +106,7 @@ def test_update_weights_changes_version_and_outputs(engine, router, models) -> N
     with pytest.raises(EngineError) as err:
         engine.update_weights_from_disk(str(Path(models[0]).parent / "missing"), weight_version="3")
     assert err.value.status == 400 and engine.model_info()["weight_version"] == "2"
-    other = _tiny(Path(models[0]).parent / "vocab48", 2, vocab=48)
+    other = save_tiny_qwen2(Path(models[0]).parent / "vocab48", 2, vocab=48)
     with pytest.raises(EngineError) as err:  # shape mismatch: refused, model untouched
         engine.update_weights_from_disk(other, weight_version="4")
     assert "shape mismatch" in err.value.message and engine.model_info()["weight_version"] == "2"

@@ -8,20 +8,19 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import httpx
 import pytest
 import ray
-import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from milepost.core.config import RolloutConfig
 from milepost.core.engine.fleet import Fleet, FleetError, FleetTransport
 from milepost.core.rollout import RolloutRequest, default_rollout
 from milepost.core.types import Prompt, Sample
 from milepost.core.weight_sync import build_transport
+
+from tinymodels import save_tiny_qwen2
 
 log = logging.getLogger(__name__)
 N = 4  # samples per prompt
@@ -30,19 +29,10 @@ REQUEST = RolloutRequest(PROMPTS, N, {"max_new_tokens": 96, "temperature": 1.0, 
                          sampling_seed=7, num_engines=6, decode=lambda ids: "")
 
 
-def _tiny(path: Path, seed: int) -> str:
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                      eos_token_id=1, pad_token_id=0)
-    Qwen2ForCausalLM(cfg).save_pretrained(path)
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> tuple[str, str]:
     root = tmp_path_factory.mktemp("models")
-    return _tiny(root / "v0", 0), _tiny(root / "v1", 1)
+    return save_tiny_qwen2(root / "v0", 0), save_tiny_qwen2(root / "v1", 1)
 
 
 @pytest.fixture(scope="module")

@@ -118,7 +118,7 @@ def test_sigkilled_sync_campaign_resumes_bitwise_and_trains_each_prompt_once(tmp
 @pytest.mark.slow
 def test_sigkilled_async_campaign_trains_every_prompt_once_within_the_staleness_bound(tmp_path):
     cache, campaign, log = tmp_path / "cache", tmp_path / "async", tmp_path / "runs.log"
-    extra = ("loop.max_staleness=1",)
+    extra = ("loop.max_staleness=1", "cluster.placement=disaggregated")
     rng = random.Random(20261204)
     kills = []
     for lowest, highest in ((1, 3), (4, STEPS_PER_BLOCK - 1), (STEPS_PER_BLOCK + 1, 2 * STEPS_PER_BLOCK - 2)):

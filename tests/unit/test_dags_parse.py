@@ -27,6 +27,17 @@ RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 STAGES = ("launch_ray", "rollout", "train", "sync", "evaluate")
 
 
+def _expected_dag_ids() -> set[str]:
+    import yaml
+
+    from milepost.dags.names import dag_id_for
+
+    return {dag_id_for((yaml.safe_load(p.read_text()).get("campaign") or {}).get("name") or p.stem) for p in RECIPES}
+
+
+EXPECTED_DAGS = _expected_dag_ids()
+
+
 @pytest.fixture(autouse=True)
 def airflow_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
     home = tmp_path_factory.getbasetemp() / "airflow-home"
@@ -45,19 +56,20 @@ def _dagbag(folder: Path = DAGS):
 def test_every_dag_file_imports_with_no_errors() -> None:
     bag = _dagbag()
     assert bag.import_errors == {}
-    expected = {"milepost_" + p.stem.replace("-", "_") for p in RECIPES}
-    assert expected and set(bag.dags) == expected
+    assert EXPECTED_DAGS and set(bag.dags) == EXPECTED_DAGS
 
 
 def test_block_tasks_edges_and_settings() -> None:
     from airflow.sdk import TriggerRule
 
     dag = _dagbag().dags["milepost_tiny_arith"]
-    assert {t.task_id for t in dag.tasks} == {*STAGES, "teardown", "block_failed"}
+    assert {t.task_id for t in dag.tasks} == {*STAGES, "progress", "teardown", "block_failed"}
     for upstream, downstream in zip(STAGES, STAGES[1:]):
         assert dag.get_task(upstream).downstream_task_ids == {downstream, "block_failed"} | (
             {"teardown"} if upstream == "launch_ray" else set())
-    assert dag.get_task("evaluate").downstream_task_ids == {"teardown", "block_failed"}
+    assert dag.get_task("evaluate").downstream_task_ids == {"progress", "block_failed"}
+    assert dag.get_task("progress").downstream_task_ids == {"teardown"}
+    assert dag.get_task("teardown").upstream_task_ids == {"launch_ray", "progress"}
     assert dag.get_task("teardown").trigger_rule == TriggerRule.ALL_DONE
     assert dag.get_task("block_failed").trigger_rule == TriggerRule.ONE_FAILED
     assert dag.get_task("block_failed").upstream_task_ids == set(STAGES)
@@ -65,7 +77,8 @@ def test_block_tasks_edges_and_settings() -> None:
     assert {"milepost", "recipe:tiny-arith"} <= set(dag.tags)
     assert "one run of this dag is one block" in dag.doc_md.lower()
     assert dag.get_task("train").retries == 1  # cluster.max_block_retries' default
-    assert dag.params.dump() == {"campaign_url": str(ROOT / "runs" / "tiny-arith"), "block": 0, "overrides": []}
+    assert dag.params.dump() == {"campaign_url": str(ROOT / "runs" / "tiny-arith"), "block": 0, "overrides": [],
+                                 "resume": False}
 
 
 def test_dag_survives_serialization_as_the_scheduler_stores_it() -> None:
@@ -104,7 +117,7 @@ def test_recipe_sections_match_the_recipe_schema() -> None:
 
 
 def test_driver_pid_env_matches_the_stage_module() -> None:
-    from milepost.dags.operators import DRIVER_PID_ENV
+    from milepost.dags.names import DRIVER_PID_ENV
 
     assert f'DRIVER_PID_ENV = "{DRIVER_PID_ENV}"' in (ROOT / "tasks" / "stage.py").read_text()
 
@@ -149,7 +162,7 @@ def test_parse_opens_no_connection_and_imports_nothing_heavy(airflow_home: Path)
     line = next(l for l in done.stdout.splitlines() if l.startswith("RESULT "))
     result = json.loads(line[len("RESULT "):])
     assert result["errors"] == {}
-    assert result["dags"] == ["milepost_tiny_arith"]
+    assert result["dags"] == sorted(EXPECTED_DAGS)
     assert result["heavy"] == [], f"imported at parse time: {result['heavy']}"
     assert result["connections"] == []
 
@@ -244,7 +257,8 @@ def test_operator_skips_a_done_stage_and_a_done_block(tmp_path: Path) -> None:
     store = CampaignStore(str(tmp_path))
     store.write_text_atomic("campaign.yaml", (ROOT / "recipes" / "tiny-arith.yaml").read_text())
     store.write_stage_record(0, "train", {"state": "done", "pid": 4242})
-    context = {"params": {"campaign_url": str(tmp_path), "block": 0, "overrides": []}}
+    context = {"params": {"campaign_url": str(tmp_path), "block": 0, "overrides": [], "resume": False},
+               "dag": _dagbag().dags["milepost_tiny_arith"], "run_id": "manual__test"}
     assert _operator("train").execute(context) == {"campaign_url": str(tmp_path), "block": 0, "stage": "train",
                                                    "job_id": "4242"}
     store.write_stage_record(0, "evaluate", {"state": "done"})

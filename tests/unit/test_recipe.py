@@ -1,6 +1,8 @@
 import pytest
 
-from milepost.core.recipe_io import RecipeError, load_recipe, recipe_diff, dump_recipe
+import yaml
+
+from milepost.core.recipe_io import RecipeError, dump_recipe, load_recipe, recipe_diff, same_recipe
 from milepost.core.store import CampaignStore
 
 
@@ -51,9 +53,27 @@ def test_recipe_diff_shows_the_changed_value(tmp_path):
     assert "-seed: 1" in diff and "+seed: 2" in diff
 
 
+def test_a_campaign_stored_before_a_new_setting_existed_still_matches(tmp_path):
+    recipe = load_recipe(_write(tmp_path, "seed: 1\n"))
+    stored = yaml.safe_load(dump_recipe(recipe))
+    del stored["rollout"]["partial_rollout"]  # written by a version without this setting
+    older = yaml.safe_dump(stored, sort_keys=True)
+    assert same_recipe(older, recipe)
+    assert not same_recipe(older, load_recipe(_write(tmp_path, "rollout: {partial_rollout: false}\n")))
+    assert not same_recipe(dump_recipe(recipe), load_recipe(_write(tmp_path, "seed: 2\n")))
+    assert not same_recipe("rollout: {no_such_setting: 1}\n", recipe)
+
+
 def test_store_writes_json_atomically_and_reads_it_back(tmp_path):
     store = CampaignStore(str(tmp_path / "c"))
     store.write_stage_record(0, "train", {"state": "done"})
     assert store.stage_record(0, "train") == {"state": "done"}
     assert store.block_indices() == [0]
     assert not list((tmp_path / "c").rglob("*.tmp-*"))
+
+
+def test_async_with_colocated_engines_is_refused_with_the_fix(tmp_path):
+    with pytest.raises(RecipeError, match="cluster.placement=disaggregated"):
+        load_recipe(_write(tmp_path, "loop: {max_staleness: 1}\n"))
+    recipe = load_recipe(_write(tmp_path, "loop: {max_staleness: 1}\ncluster: {placement: disaggregated}\n"))
+    assert recipe.loop.max_staleness == 1

@@ -1,0 +1,104 @@
+"""The engine's side of the distributed transport: a process group with the trainer
+(/init_weights_update_group) and buckets received by broadcast from rank 0
+(/update_weights_from_distributed) into the receiver's private shadow tensors."""
+
+from __future__ import annotations
+
+import datetime
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from milepost.core.weight_sync import wire
+
+if TYPE_CHECKING:
+    from milepost.core.engine.weight_receiver import WeightReceiver
+
+
+class GroupReceiver:
+    """Groups by name. A collective that failed (e.g. timed out) leaves the peers out of
+    step, so its group is marked broken and refuses buckets until destroyed. Called only
+    under the receiver's update lock (receive) or for group set-up, which touches only the
+    dicts (atomic operations)."""
+
+    def __init__(self, receiver: "WeightReceiver") -> None:
+        self.receiver = receiver
+        self._groups: dict[str, Any] = {}
+        self._broken: dict[str, str] = {}
+        self._flat: torch.Tensor | None = None  # reused receive buffer of flattened buckets
+
+    def init(self, address: str, port: int, rank: int, world_size: int, group_name: str,
+             backend: str) -> tuple[int, str]:
+        if group_name in self._groups:
+            return 400, f"group {group_name} exists: destroy it first"
+        self._groups[group_name] = wire.init_weight_group(address, port, rank, world_size, group_name,
+                                                          self.receiver.group_timeout_s, backend)
+        return 200, f"joined {group_name} as rank {rank} of {world_size}"
+
+    def destroy(self, group_name: str) -> tuple[int, str]:
+        pg = self._groups.pop(group_name, None)
+        self._broken.pop(group_name, None)
+        if pg is None:
+            return 400, f"no group {group_name}"
+        wire.destroy_weight_group(pg)
+        return 200, f"destroyed {group_name}"
+
+    def receive(self, specs: list[wire.Spec], group_name: str, flattened: bool) -> str:
+        """Receive one bucket and stage it. A bucket that does not fit the model is still
+        received (into scratch) and then rejected, so the trainer's broadcast never waits
+        for a receiver that gave up."""
+        pg = self._groups.get(group_name)
+        if pg is None or group_name in self._broken:
+            raise ValueError(f"group {group_name} is {'broken' if pg else 'unknown'}: "
+                             "/destroy_weights_update_group and init it again")
+        problem = self.receiver.problems(specs)
+        try:
+            if flattened:
+                self._receive_flat(specs, pg, problem is None)
+            else:
+                self._receive_each(specs, pg, problem is None)
+        except Exception as exc:
+            self._broken[group_name] = str(exc)
+            raise
+        if problem:
+            raise ValueError(problem)
+        return f"staged {len(specs)} tensors from group {group_name}"
+
+    def _receive_flat(self, specs: list[wire.Spec], pg: Any, keep: bool) -> None:
+        """One broadcast of the whole bucket into a reused buffer, then copied to shadows."""
+        dtypes = {s["dtype"] for s in specs}
+        if len(dtypes) != 1:  # the group is still in step: nothing was received
+            raise ValueError(f"a flattened bucket holds one dtype, got {sorted(dtypes)}")
+        offs, total = wire.offsets(specs)
+        if self._flat is None or self._flat.numel() < total:
+            self._flat = torch.empty(total, dtype=torch.uint8)
+        flat = self._flat[:total].view(wire.parse_dtype(specs[0]["dtype"]))
+        self._wait([dist.broadcast(flat, src=0, group=pg, async_op=True)])
+        for s, o in zip(specs, offs) if keep else ():
+            self.receiver.shadow(s["name"]).copy_(wire.view(self._flat, o, s))
+
+    def _receive_each(self, specs: list[wire.Spec], pg: Any, keep: bool) -> None:
+        """One broadcast per tensor, straight into its shadow when the dtypes match."""
+        bufs, works = [], []
+        for s in specs:
+            dtype = wire.parse_dtype(s["dtype"])
+            target = self.receiver.shadow(s["name"]) if keep else None
+            if target is None or target.dtype != dtype:  # receive as sent, convert after
+                target = torch.empty(s["shape"], dtype=dtype)
+            bufs.append(target)
+            works.append(dist.broadcast(target, src=0, group=pg, async_op=True))
+        self._wait(works)
+        for s, b in zip(specs, bufs) if keep else ():
+            shadow = self.receiver.shadow(s["name"])
+            if b is not shadow:
+                shadow.copy_(b)
+
+    def _wait(self, works: list[Any]) -> None:
+        timeout_s = self.receiver.group_timeout_s
+        deadline = time.monotonic() + timeout_s
+        for w in works:
+            left = max(0.001, deadline - time.monotonic())
+            if not w.wait(timeout=datetime.timedelta(seconds=left)):
+                raise TimeoutError(f"broadcast not received within {timeout_s} s")

@@ -1,0 +1,333 @@
+"""The engine's half of session weight updates: /begin_weight_update, then buckets through
+/update_weights_from_tensor (named /dev/shm buffers) or /update_weights_from_distributed
+(a gloo group with the trainer), then /update_weight_version and /end_weight_update.
+
+Payload formats live in milepost.core.weight_sync.wire; HTTP parsing in weight_routes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from milepost.core.engine.group_receiver import GroupReceiver
+from milepost.core.engine.shm_leases import Lease, LeaseError, ShmFiles
+from milepost.core.weight_sync import wire
+
+log = logging.getLogger("milepost.engine")
+
+Reply = tuple[int, str]  # (HTTP status, message); 200 means success
+
+
+class UpdateRejected(Exception):
+    """An update call that fails the session; `status` is the HTTP status to answer."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Session:
+    selector: str
+    touched_at: float = field(default_factory=time.monotonic)
+    # canonical name → (tensor to swap in, lease on the shm file it lives in, or None)
+    staged: dict[str, tuple[torch.Tensor, Lease | None]] = field(default_factory=dict)
+    version: str | None = None
+    failed: str | None = None
+
+
+class WeightReceiver:
+    """Stages weights of one session and swaps them in at its end.
+
+    Atomicity: update calls never write the live model. A distributed bucket is received
+    into private *shadow* tensors; a tensor-transport bucket is staged as views into the
+    trainer's shm file (no copy; a lease keeps the trainer from rewriting the file).
+    end_weight_update commits by pointing each live parameter at its staged tensor (under
+    the scheduler's model_lock) and setting the staged weight_version in the same critical
+    section: a forward sees all-old or all-new weights, and /model_info never names weights
+    the engine does not serve. A session commits only if a new weight_version was staged
+    (SGLang's sequence sets it just before end), none of its update calls failed and end
+    was not asked to abort; otherwise end discards it. A private tensor swapped out
+    becomes the next shadow; a leased one releases its lease. Live tensors in shm files are
+    never written in place (a disk load swaps in fresh tensors too).
+
+    Concurrency: `_lock` guards the session fields and is held only briefly. `_update_lock`
+    serialises update calls, commit, discard and disk adoption (one writer of shadows and
+    leases; collectives in call order) and is always taken with a timeout. Order:
+    _update_lock, then model_lock. A session idle for `session_timeout_s` is stale (its
+    trainer is gone): the next begin discards it. Distributed receives wait at most the
+    group's timeout.
+    """
+
+    def __init__(self, sched: Any, timeout_s: float = 300.0) -> None:
+        """`timeout_s`: idle time after which a session is stale, and the weight-update
+        group's timeout (rendezvous and every broadcast)."""
+        self.sched, self.session_timeout_s, self.group_timeout_s = sched, timeout_s, timeout_s
+        self.lock_timeout_s = min(60.0, timeout_s)
+        self._lock = threading.Lock()
+        self._update_lock = threading.Lock()
+        self._session: Session | None = None
+        self._targets: dict[str, tuple[str, torch.Tensor]] | None = None  # name → (canonical, live)
+        self._shadows: dict[str, torch.Tensor] = {}  # private staging tensors (distributed)
+        self._live_leases: dict[str, Lease] = {}  # canonical name → lease of the file it lives in
+        self._files = ShmFiles()
+        self.groups = GroupReceiver(self)  # the distributed transport's side
+        self.unloaded: set[str] = set()  # canonical names allocated by a memory resume, not yet loaded
+
+    # ---- session ----
+    def in_session(self) -> bool:
+        with self._lock:
+            return self._session is not None
+
+    def begin(self, selector: str) -> Reply:
+        problem = self.sched.memory.update_problem()
+        if problem:
+            return 400, problem
+        if not self._update_lock.acquire(timeout=self.lock_timeout_s):
+            return 409, "an update call is still running; call /begin_weight_update again"
+        try:
+            with self._lock:
+                s = self._session
+                if s is not None and time.monotonic() - s.touched_at < self.session_timeout_s:
+                    return 400, ("a weight-update session is already open: finish it with "
+                                 "/end_weight_update before beginning another")
+                self._session = Session(selector)
+            if s is not None:
+                log.warning("discarding a weight-update session idle for %.0f s", time.monotonic() - s.touched_at)
+                self._discard(s)
+            self._files.prune()
+        finally:
+            self._update_lock.release()
+        return 200, f"weight-update session open (selector={selector})"
+
+    def stage_version(self, version: str) -> bool:
+        """Inside a session the new version waits for end_weight_update; False if no session."""
+        with self._lock:
+            if self._session is None:
+                return False
+            self._session.version, self._session.touched_at = version, time.monotonic()
+            return True
+
+    def end(self, abort: bool = False) -> Reply:
+        """Commit the session, or discard it if `abort`, if an update failed, or if no new
+        weight_version was staged."""
+        if not self._update_lock.acquire(timeout=self.lock_timeout_s):
+            return 409, "an update call is still running in this session; call /end_weight_update again"
+        try:
+            with self._lock:
+                s, self._session = self._session, None
+            if s is None:
+                return 400, "no weight-update session is open: call /begin_weight_update first"
+            served = f"the engine still serves weight_version {self.sched.weight_version}"
+            if abort or s.failed or s.version is None:
+                self._discard(s)
+            if abort:
+                return 200, f"session aborted: staged tensors discarded; {served}"
+            if s.failed:
+                return 400, f"session discarded because an update failed ({s.failed}); {served}"
+            if s.version is None:
+                return 200, f"session closed with no new weight_version: staged tensors discarded; {served}"
+            return self._commit(s)
+        finally:
+            self._update_lock.release()
+
+    def _commit(self, s: Session) -> Reply:
+        if not self.sched.model_lock.acquire(timeout=self.lock_timeout_s):
+            self._discard(s)
+            return 503, f"model busy for {self.lock_timeout_s} s; still serving {self.sched.weight_version}"
+        try:
+            for canonical, (tensor, lease) in s.staged.items():
+                self._swap_in(canonical, tensor, lease)
+            self.sched.weight_version = s.version
+        finally:
+            self.sched.model_lock.release()
+        return 200, f"committed {len(s.staged)} tensors as weight_version {s.version}"
+
+    def _swap_in(self, canonical: str, tensor: torch.Tensor, lease: Lease | None) -> None:
+        """Point the live tensor at `tensor` (caller holds model_lock and _update_lock)."""
+        live = self._target_map()[canonical][1]
+        old, old_lease = live.data, self._live_leases.pop(canonical, None)
+        live.data = tensor
+        self.unloaded.discard(canonical)
+        if lease is not None:
+            self._live_leases[canonical] = lease
+        if self._shadows.get(canonical) is tensor:  # a private shadow went live
+            del self._shadows[canonical]
+        if old_lease is not None:
+            old_lease.release()
+        else:
+            self._shadows[canonical] = old  # private: the next shadow
+
+    def _discard(self, s: Session) -> None:
+        """Drop what a session staged (caller holds _update_lock)."""
+        for _, lease in s.staged.values():
+            if lease is not None:
+                lease.release()
+        s.staged.clear()
+
+    def adopt(self, state: dict[str, torch.Tensor]) -> str | None:
+        """Swap freshly loaded private tensors in (disk loads), releasing any leases; None on
+        success, else why not. Names and shapes were checked by the caller."""
+        if not self._update_lock.acquire(timeout=self.lock_timeout_s):
+            return f"a weight update held the engine for {self.lock_timeout_s} s"
+        try:
+            if not self.sched.model_lock.acquire(timeout=self.lock_timeout_s):
+                return f"model busy for {self.lock_timeout_s} s"
+            try:
+                targets = self._target_map()
+                for name, t in state.items():
+                    canonical, live = targets[name]
+                    self._swap_in(canonical, t.to(live.dtype).contiguous(), None)
+            finally:
+                self.sched.model_lock.release()
+        finally:
+            self._update_lock.release()
+        return None
+
+    # ---- memory release (colocated placement; rules in core/engine/memory.py) ----
+    def drop_weights(self) -> dict[str, tuple[torch.Size, torch.dtype]] | str:
+        """Free every live tensor, shadow and lease; returns each canonical tensor's shape and
+        dtype (to allocate it again), or why not."""
+        if not self._update_lock.acquire(timeout=self.lock_timeout_s):
+            return f"a weight update held the engine for {self.lock_timeout_s} s"
+        try:
+            if not self.sched.model_lock.acquire(timeout=self.lock_timeout_s):
+                return f"model busy for {self.lock_timeout_s} s"
+            try:
+                shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
+                for name, (canonical, live) in self._target_map().items():
+                    if name == canonical:
+                        shapes[canonical] = (live.shape, live.dtype)
+                        live.data = torch.empty(0, dtype=live.dtype)
+                        lease = self._live_leases.pop(canonical, None)
+                        if lease is not None:
+                            lease.release()
+                self._shadows.clear()
+                return shapes
+            finally:
+                self.sched.model_lock.release()
+        finally:
+            self._update_lock.release()
+
+    def allocate_weights(self, shapes: dict[str, tuple[torch.Size, torch.dtype]]) -> None:
+        """Give every dropped tensor uninitialised memory again; each stays in `unloaded`
+        until an update (disk, tensor or distributed) fills it."""
+        with self._update_lock, self.sched.model_lock:
+            targets = self._target_map()
+            for canonical, (shape, dtype) in shapes.items():
+                targets[canonical][1].data = torch.empty(shape, dtype=dtype)
+            self.unloaded = set(shapes)
+
+    def run_update(self, work: Any, flush_cache: bool, version: Any) -> Reply:
+        """Run one update call `work()` inside the open session; any failure poisons it."""
+        with self._lock:
+            if self._session is None:
+                return 400, "no weight-update session is open: call /begin_weight_update first"
+            if self._session.failed:
+                return 400, f"this session already failed ({self._session.failed}); end it and begin again"
+        if flush_cache and self.sched.num_running():
+            return self._fail("cannot flush cache while requests are running: pause first", 400)
+        if not self._update_lock.acquire(timeout=self.lock_timeout_s):
+            return self._fail(f"another update call held the engine for {self.lock_timeout_s} s", 409)
+        try:
+            message = work()
+        except UpdateRejected as exc:
+            return self._fail(str(exc), exc.status)
+        except ValueError as exc:  # a malformed request (descriptor, dtype)
+            return self._fail(str(exc), 400)
+        except Exception as exc:  # noqa: BLE001 - any failure must leave the live weights untouched
+            log.exception("weight update failed")
+            return self._fail(f"{type(exc).__name__}: {exc}", 500)
+        finally:
+            self._update_lock.release()
+        if version is not None:
+            self.stage_version(str(version))
+        with self._lock:
+            if self._session is not None:
+                self._session.touched_at = time.monotonic()
+        return 200, message
+
+    def _fail(self, message: str, status: int) -> Reply:
+        with self._lock:
+            if self._session is not None:
+                self._session.failed = self._session.failed or message
+        return status, f"{message}; the session will be discarded at /end_weight_update"
+
+    # ---- staging ----
+    def _target_map(self) -> dict[str, tuple[str, torch.Tensor]]:
+        """Every state-dict name → (canonical name, live tensor); tied names share one."""
+        if self._targets is None:
+            first: dict[int, str] = {}
+            self._targets = {}
+            for name, t in self.sched.model.state_dict(keep_vars=True).items():
+                canonical = first.setdefault(id(t), name)
+                self._targets[name] = (canonical, t)
+        return self._targets
+
+    def problems(self, specs: list[wire.Spec]) -> str | None:
+        """Why `specs` do not fit the model (unknown name, other shape, a non-float into a
+        float tensor), or None."""
+        targets, problems = self._target_map(), []
+        for s in specs:
+            if s["name"] not in targets:
+                problems.append(f"unknown tensor {s['name']}")
+                continue
+            live = targets[s["name"]][1]
+            if list(s["shape"]) != list(live.shape):
+                problems.append(f"{s['name']}: shape {list(s['shape'])} != {list(live.shape)}")
+            elif wire.parse_dtype(s["dtype"]).is_floating_point != live.dtype.is_floating_point:
+                problems.append(f"{s['name']}: dtype {s['dtype']} cannot load into {wire.dtype_name(live.dtype)}")
+        return f"{len(problems)} tensors do not fit the model: {'; '.join(problems[:5])}" if problems else None
+
+    def stage(self, name: str, tensor: torch.Tensor, lease: Lease | None) -> None:
+        """Stage `tensor` for `name` in the open session (replacing an earlier one)."""
+        canonical = self._target_map()[name][0]
+        with self._lock:
+            session = self._session
+        if session is None:
+            raise UpdateRejected("the session ended during the update")
+        previous = session.staged.get(canonical)
+        if previous is not None and previous[1] is not None:
+            previous[1].release()
+        session.staged[canonical] = (tensor, lease)
+
+    def shadow(self, name: str) -> torch.Tensor:
+        """A private staging tensor for `name` (allocated on first use), staged."""
+        canonical, live = self._target_map()[name]
+        buf = self._shadows.get(canonical)
+        if buf is None or buf.shape != live.shape or buf.dtype != live.dtype:
+            buf = self._shadows[canonical] = torch.empty_like(live)
+        self.stage(name, buf, None)
+        return buf
+
+    # ---- tensor transport: the trainer's shm bucket files, used in place ----
+    def load_shm(self, descriptor: dict[str, Any]) -> str:
+        specs = descriptor["tensors"]
+        problem = self.problems(specs)
+        if problem:
+            raise UpdateRejected(problem)
+        try:
+            lease, buf = self._files.open(descriptor["shm_name"], descriptor["generation"])
+        except LeaseError as exc:
+            raise UpdateRejected(str(exc)) from None
+        try:
+            if buf.numel() < descriptor["nbytes"]:
+                raise UpdateRejected(f"{descriptor['shm_name']} holds {buf.numel()} bytes, "
+                                     f"descriptor says {descriptor['nbytes']}")
+            targets = self._target_map()
+            for s in specs:
+                data, live = wire.view(buf, s["offset"], s), targets[s["name"]][1]
+                if data.dtype == live.dtype:
+                    lease.acquire()
+                    self.stage(s["name"], data, lease)
+                else:  # another dtype: a private converted copy
+                    self.stage(s["name"], data.to(live.dtype), None)
+        finally:
+            lease.release()  # the reference taken by open(); staged tensors hold their own
+        return f"staged {len(specs)} tensors from {descriptor['shm_name']}"

@@ -1,0 +1,172 @@
+"""Megatron-core train backend: one Ray actor per rank (`worker.MegatronRankWorker`).
+
+Layout: world = train.num_ranks = data_parallel * tensor_parallel * pipeline_parallel *
+context_parallel. The driver shards each step's samples by data-parallel rank (consecutive,
+balanced: `batch.shard_by_rank`); the TP / PP / CP peers of a replica get the same shard.
+Loss metrics come from one rank per replica (TP rank 0 of the last pipeline stage) and are
+summed over replicas, as the torch backend sums over its ranks.
+
+Checkpoint folder (save_state): dist/ (megatron `dist_checkpointing`: model + optimizer,
+resharded on load, so a TP=2 checkpoint resumes at TP=1 and back), scheduler.json,
+rng_rank{r}.pt, meta.json. Export: HF safetensors written by the TP-rank-0 of each pipeline
+stage, tensor by tensor, then one index (or a single model.safetensors).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from milepost.core.config import AlgoConfig, TrainConfig
+from milepost.core.train.batch import count_loss_tokens, shard_by_rank
+from milepost.core.train.megatron.converter import write_index
+from milepost.core.train.megatron.worker import MegatronRankWorker
+from milepost.core.train.torch_backend import RANK_NUM_CPUS, TOKENIZER_FILES, state_sha256
+from milepost.core.types import Sample
+
+MAX_SHARD_BYTES = 5 * 2**30
+HF_SIDE_FILES = ("config.json",) + TOKENIZER_FILES
+
+
+class MegatronBackend:
+    """Driver side of the megatron backend (a TrainBackend and a WeightSource)."""
+
+    def __init__(self, actors: list[Any], infos: list[dict[str, int]], train_cfg: TrainConfig, model_path: str) -> None:
+        self.actors, self.infos, self.train_cfg, self.model_path = actors, infos, train_cfg, model_path
+        m = train_cfg.megatron
+        self.dp_size = train_cfg.num_ranks // (m.tensor_parallel * m.pipeline_parallel * m.context_parallel)
+
+    @classmethod
+    def create(cls, model_path: str, train_cfg: TrainConfig, algo_cfg: AlgoConfig, temperature: float,
+               seed: int, total_steps: int | None = None) -> "MegatronBackend":
+        world = train_cfg.num_ranks
+        gpus = 1 if ray.cluster_resources().get("GPU", 0) >= world else 0
+        actor_cls = ray.remote(num_cpus=RANK_NUM_CPUS, num_gpus=gpus)(MegatronRankWorker)
+        actors = [actor_cls.remote(r, world, model_path, train_cfg, algo_cfg, temperature, seed, total_steps)
+                  for r in range(world)]
+        backend = cls(actors, [], train_cfg, model_path)
+        try:
+            port = ray.get(actors[0].free_port.remote())
+            backend.infos = ray.get([a.setup.remote(port) for a in actors])
+        except Exception:
+            backend.shutdown()
+            raise
+        return backend
+
+    # ---- TrainBackend ----
+    def train_step(self, samples: list[Sample], step: int) -> dict[str, float]:
+        shards = shard_by_rank(samples, self.dp_size)
+        num_tokens = count_loss_tokens(samples)
+        normalizer = float(max(1, num_tokens))
+        results = ray.get([a.train.remote(shards[info["dp_rank"]], normalizer)
+                           for a, info in zip(self.actors, self.infos)])
+        reported = [r["metrics"] for r in results if r["reporter"]]
+        keys = {k for m in reported for k in m}
+        metrics = {k: (max if k.endswith("_max") else sum)(m[k] for m in reported if k in m) for k in keys}
+        metrics["train/grad_norm"] = results[0]["grad_norm"]  # the global norm, equal on every rank
+        metrics["train/lr"] = results[0]["lr"]
+        metrics["train/num_tokens"] = float(num_tokens)
+        metrics["train/num_micro_batches"] = float(max(r["num_micro_batches"] for r in results))
+        metrics["train/step"] = float(step)
+        return metrics
+
+    def save_state(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+        ray.get([a.save.remote(path) for a in self.actors])
+        m = self.train_cfg.megatron
+        meta = {"format": "milepost-megatron-dist-v1", "world_size": len(self.actors),
+                "tensor_parallel": m.tensor_parallel, "pipeline_parallel": m.pipeline_parallel}
+        Path(path, "meta.json").write_text(json.dumps(meta))
+
+    def load_state(self, path: str) -> None:
+        if not Path(path, "dist").is_dir():
+            raise FileNotFoundError(f"{path} holds no megatron train state (no dist/ folder); was it written by the "
+                                    "megatron backend's save_state? (torch backend checkpoints cannot be resumed "
+                                    "with train.backend=megatron)")
+        ray.get([a.load.remote(path) for a in self.actors])
+
+    def export_hf(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+        written: dict[str, tuple[str, int]] = {}
+        for part in ray.get([a.export_shards.remote(path, MAX_SHARD_BYTES) for a in self.actors]):
+            written.update(part)
+        write_index(path, written)
+        for name in HF_SIDE_FILES:
+            src = Path(self.model_path) / name
+            if src.is_file():
+                shutil.copy2(src, Path(path) / name)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The HF-named weights gathered to the driver, the tied lm_head included as HF's
+        state_dict has it (tests, small models)."""
+        stage_heads = [a for a, i in zip(self.actors, self.infos) if i["dp_rank"] == 0]
+        state: dict[str, torch.Tensor] = {}
+        for i, part in zip([self.infos[self.actors.index(a)] for a in stage_heads],
+                           ray.get([a.hf_state_dict.remote() for a in stage_heads])):
+            if i["tp_rank"] == 0:
+                state.update(part)
+        if "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        return state
+
+    def weights_sha256(self) -> str:
+        """Same digest as the torch backend's for the same weights (HF names, fp32 bytes)."""
+        return state_sha256(self.state_dict())
+
+    def logprobs(self, samples: list[Sample]) -> list[list[float]]:
+        """Response logprobs under the current weights (pipeline_parallel 1; tests)."""
+        if self.train_cfg.megatron.pipeline_parallel > 1:
+            raise ValueError("MegatronBackend.logprobs needs pipeline_parallel 1")
+        return ray.get([a.logprobs.remote(samples) for a in self.actors])[0]
+
+    # ---- WeightSource (tensor / distributed transports): rank 0 sends ----
+    def _stage(self, names: list[str] | None, timeout_s: float) -> None:
+        if self.train_cfg.megatron.pipeline_parallel > 1:
+            raise NotImplementedError("tensor/distributed weight sync with pipeline_parallel > 1 is not built yet; "
+                                      "use sync.transport=disk")
+        group = [a for a, i in zip(self.actors, self.infos) if i["dp_rank"] == 0]  # rank 0's TP group
+        ray.get([a.stage_weights.remote(names) for a in group], timeout=timeout_s)
+
+    def _on_rank0(self, method: str, *args: Any, timeout_s: float) -> Any:
+        return ray.get(getattr(self.actors[0], method).remote(*args), timeout=timeout_s)
+
+    def weight_buckets(self, bucket_mb: float, timeout_s: float = 60.0) -> list[list[dict[str, Any]]]:
+        self._stage(None, timeout_s)
+        return self._on_rank0("weight_buckets", int(bucket_mb * 2**20), timeout_s=timeout_s)
+
+    def named_tensors_to_shm(self, names: list[str], bucket: int, buffer_bytes: int, timeout_s: float = 60.0) -> str:
+        self._stage(names, timeout_s)
+        return self._on_rank0("named_tensors_to_shm", names, bucket, buffer_bytes, timeout_s=timeout_s)
+
+    def release_weight_buffers(self, timeout_s: float = 60.0) -> None:
+        self._on_rank0("release_weight_buffers", timeout_s=timeout_s)
+
+    def weight_group_address(self, timeout_s: float = 60.0) -> tuple[str, int]:
+        return self._on_rank0("weight_group_address", timeout_s=timeout_s)
+
+    def init_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
+                          timeout_s: float = 60.0) -> None:
+        self._on_rank0("init_weight_group", master_address, master_port, world_size, group_name, timeout_s,
+                       timeout_s=timeout_s)
+
+    def broadcast_weights(self, names: list[str], group_name: str, flattened: bool, timeout_s: float = 60.0) -> None:
+        self._stage(names, timeout_s)
+        self._on_rank0("broadcast_weights", names, group_name, flattened, timeout_s=timeout_s)
+
+    def destroy_weight_group(self, group_name: str, timeout_s: float = 60.0) -> None:
+        self._on_rank0("destroy_weight_group", group_name, timeout_s=timeout_s)
+
+    def shutdown(self) -> None:
+        try:
+            ray.get([a.shutdown.remote() for a in self.actors], timeout=60)
+        except Exception:
+            pass  # an actor that is already gone has no group to destroy
+        for a in self.actors:
+            ray.kill(a)
+        self.actors = []

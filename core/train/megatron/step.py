@@ -1,0 +1,129 @@
+"""Micro-batches for megatron's forward-backward schedule, and the RL loss on its logits.
+
+A micro-batch is either padded rows (`pack_sequences: false`: micro_batch_size samples,
+right-padded, causal attention so padding never reaches a real token) or one packed row
+(`pack_sequences: true`: samples concatenated up to micro_batch_tokens, attention and RoPE
+restarting at every sample through PackedSeqParams / cu_seqlens). Either way the loss tensors
+come from `batch.collate`, and the logits that predict response tokens are picked at
+`pick_rows, pick_cols`, so the loss is the very same `rl_loss` call as the torch backend's.
+
+Logprobs across tensor-parallel ranks: the picked vocabulary-parallel logits [B, T, V/tp] are
+all-gathered (autograd-aware: backward keeps each rank's slice), the padded vocabulary rows
+dropped, then log_softmax / entropy exactly as `train/logprobs.py` computes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from milepost.core.algo.losses import entropy_from_logits, rl_loss
+from milepost.core.config import AlgoConfig
+from milepost.core.train.batch import collate, split_micro_batches
+from milepost.core.types import Sample
+
+
+@dataclass
+class MicroBatch:
+    input_ids: Tensor  # [b, L] (packed: [1, sum of lengths])
+    position_ids: Tensor  # [b, L]
+    cu_seqlens: Tensor | None  # int32 [n + 1] when packed
+    max_seqlen: int
+    pick_rows: Tensor  # [B, T]: row of the logit predicting response token t of sample i
+    pick_cols: Tensor  # [B, T]: its position in that row
+    batch: dict[str, Tensor]  # collate(...) of the samples: loss tensors [B, T]
+
+    def to(self, device: torch.device) -> "MicroBatch":
+        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return MicroBatch(move(self.input_ids), move(self.position_ids),
+                          None if self.cu_seqlens is None else move(self.cu_seqlens), self.max_seqlen,
+                          move(self.pick_rows), move(self.pick_cols), {k: move(v) for k, v in self.batch.items()})
+
+
+def pack_groups(samples: list[Sample], max_tokens: int) -> list[list[Sample]]:
+    """Consecutive groups of samples with at most max_tokens tokens each (a longer sample is
+    a group of its own)."""
+    groups: list[list[Sample]] = []
+    size = 0
+    for s in samples:
+        n = len(s.prompt_ids) + len(s.response_ids)
+        if groups and size + n <= max_tokens:
+            groups[-1].append(s)
+            size += n
+        else:
+            groups.append([s])
+            size = n
+    return groups
+
+
+def _padded(samples: list[Sample], pad_id: int) -> MicroBatch:
+    batch = collate(samples, pad_id)
+    b, t = batch["logit_index"].shape
+    rows = torch.arange(b).unsqueeze(-1).expand(b, t).contiguous()
+    return MicroBatch(batch["input_ids"], batch["position_ids"], None, batch["input_ids"].shape[1],
+                      rows, batch["logit_index"], batch)
+
+
+def _packed(samples: list[Sample], pad_id: int) -> MicroBatch:
+    batch = collate(samples, pad_id)
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    starts = torch.tensor([0] + lengths[:-1]).cumsum(0)
+    ids = torch.tensor([tok for s in samples for tok in s.prompt_ids + s.response_ids], dtype=torch.long)
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    cols = batch["logit_index"] + starts.unsqueeze(-1)  # junk (masked) entries stay in range
+    return MicroBatch(ids.unsqueeze(0), pos.unsqueeze(0), cu, max(lengths), torch.zeros_like(cols), cols, batch)
+
+
+def build_micro_batches(samples: list[Sample], pad_id: int, pack: bool, micro_batch_size: int,
+                        micro_batch_tokens: int) -> list[MicroBatch]:
+    if pack:
+        return [_packed(g, pad_id) for g in pack_groups(samples, micro_batch_tokens)]
+    return [_padded(g, pad_id) for g in split_micro_batches(samples, micro_batch_size)]
+
+
+def picked_logits(logits: Tensor, mb: MicroBatch, vocab_size: int, temperature: float, tp_size: int) -> Tensor:
+    """Temperature-scaled fp32 logits that predict response tokens: [B, T, V] (full vocabulary)."""
+    picked = logits[mb.pick_rows, mb.pick_cols]
+    if tp_size > 1:
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+        picked = gather_from_tensor_model_parallel_region(picked)
+    picked = picked[..., :vocab_size].float()
+    return picked / temperature if temperature > 0 else picked
+
+
+def logprobs_and_entropy(scaled: Tensor, target_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """(logprobs [B, T] of target_ids, entropy [B, T]): train/logprobs.py's computation."""
+    logp = torch.log_softmax(scaled, dim=-1)
+    return logp.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1), entropy_from_logits(scaled)
+
+
+def micro_batch_loss(logits: Tensor, mb: MicroBatch, algo: AlgoConfig, temperature: float, normalizer: float,
+                     vocab_size: int, tp_size: int, ref_logprobs: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+    """rl_loss of one micro-batch (sum over its loss tokens / the step's loss-token count)."""
+    batch = mb.batch
+    logprobs, entropy = logprobs_and_entropy(picked_logits(logits, mb, vocab_size, temperature, tp_size),
+                                             batch["target_ids"])
+    if algo.entropy_coef == 0:
+        entropy = entropy.detach()
+    loss, metrics = rl_loss(logprobs, logprobs.detach(), batch["engine_logprobs"], batch["advantages"],
+                            batch["loss_mask"], algo, normalizer, ref_logprobs=ref_logprobs, entropy=entropy)
+    mask = batch["loss_mask"].bool()
+    if mask.any():  # engine vs trainer logprobs of the same weights (as the torch backend reports)
+        metrics["train/engine_logprob_diff_max"] = float((logprobs.detach() - batch["engine_logprobs"]).abs()[mask].max())
+    metrics["train/loss"] = float(loss.detach())
+    return loss, metrics
+
+
+def forward_logits(model: Any, mb: MicroBatch) -> Tensor:
+    """The model's (vocabulary-parallel) logits for a micro-batch: [b, L, V/tp], or the hidden
+    state on a non-last pipeline stage."""
+    packed = None
+    if mb.cu_seqlens is not None:
+        from megatron.core.packed_seq_params import PackedSeqParams
+        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens,
+                                 max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
+    return model(mb.input_ids, mb.position_ids, None, packed_seq_params=packed)

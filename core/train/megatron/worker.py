@@ -1,0 +1,353 @@
+"""One megatron-core rank: model chunks, Megatron DDP + optimizer, forward-backward schedule.
+
+Plain Python (no Ray import), so the backend runs it as a Ray actor and a GPU benchmark can
+run it in-process. Every public method runs inside `cpu_compat.activate()` (a no-op on GPU).
+
+Gradient arithmetic (same contract as the torch backend): each micro-batch's loss is
+rl_loss(..., token_normalizer = loss tokens of the whole step). `calculate_per_token_loss`
+stops the schedule from dividing by the number of micro-batches and makes Megatron DDP *sum*
+gradients over data-parallel ranks, and `num_tokens=None` in finalize_model_grads stops the
+per-token rescale, so the gradient is exactly that of the full-batch token mean.
+
+LR: the torch backend's `lr_lambda` multiplier, set on every param group before each step.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import random
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from milepost.core.config import AlgoConfig, TrainConfig
+from milepost.core.train.batch import padding_sample
+from milepost.core.train.megatron import cpu_compat
+from milepost.core.train.megatron.converter import iter_hf_tensors, load_hf_into
+from milepost.core.train.megatron.model import ModelSpec, build_gpt_model, spec_from_hf_config, transformer_config
+from milepost.core.train.megatron.step import (MicroBatch, build_micro_batches, forward_logits, logprobs_and_entropy,
+                                               micro_batch_loss, picked_logits)
+from milepost.core.types import Sample
+
+PG_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def compat(method: Any) -> Any:
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with cpu_compat.activate():
+            return method(self, *args, **kwargs)
+    wrapped.__name__, wrapped.__doc__ = method.__name__, method.__doc__
+    return wrapped
+
+
+class MegatronRankWorker:
+    def __init__(self, rank: int, world_size: int, model_path: str, train_cfg: TrainConfig, algo_cfg: AlgoConfig,
+                 temperature: float, seed: int, total_steps: int | None) -> None:
+        torch.set_num_threads(train_cfg.num_threads_per_rank)
+        self.rank, self.world_size, self.model_path = rank, world_size, model_path
+        self.cfg, self.algo, self.temperature, self.seed = train_cfg, algo_cfg, temperature, seed
+        from milepost.core.train.torch_backend import lr_lambda
+        self.lr_mult = lr_lambda(train_cfg.lr_schedule, train_cfg.warmup_steps, total_steps)
+        self.sched_step = 0
+
+    def free_port(self) -> int:
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    # ---- set-up ----
+    @compat
+    def setup(self, port: int, master_addr: str = "127.0.0.1") -> dict[str, int]:
+        from megatron.core import parallel_state as ps
+        from transformers import AutoConfig
+        m = self.cfg.megatron
+        on_gpu = torch.cuda.is_available()
+        if on_gpu:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", self.rank % torch.cuda.device_count())))
+        elif m.sequence_parallel or m.distributed_optimizer:
+            raise ValueError("train.megatron.sequence_parallel / distributed_optimizer need GPUs (they fail on "
+                             "CPU in megatron-core 0.16); set them to false for CPU runs")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://{master_addr}:{port}",
+                                rank=self.rank, world_size=self.world_size, timeout=PG_TIMEOUT)
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=m.tensor_parallel, pipeline_model_parallel_size=m.pipeline_parallel,
+            virtual_pipeline_model_parallel_size=m.virtual_pipeline, context_parallel_size=m.context_parallel,
+            expert_model_parallel_size=m.expert_parallel, expert_tensor_parallel_size=m.expert_tensor_parallel)
+        random.seed(self.seed + self.rank)
+        np.random.seed((self.seed + self.rank) % 2**32)
+        torch.manual_seed(self.seed)
+        cpu_compat.seed_rng_tracker(self.seed)
+        self.tp_rank, self.tp_size = ps.get_tensor_model_parallel_rank(), m.tensor_parallel
+        self.pp_rank, self.dp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank()
+        self.ep_rank = ps.get_expert_model_parallel_rank()
+        hf_cfg = AutoConfig.from_pretrained(self.model_path)
+        self.spec: ModelSpec = spec_from_hf_config(hf_cfg, m.tensor_parallel)
+        self.pad_id = int(getattr(hf_cfg, "pad_token_id", None) or 0)
+        self.dtype = torch.bfloat16 if self.cfg.precision == "bf16" else torch.float32
+        self.tconfig = transformer_config(self.spec, m, self.dtype, on_cpu=not on_gpu)
+        chunks = self._build_chunks()
+        self._build_ddp_and_optimizer(chunks)
+        self.ref = None
+        if self.algo.kl_coef > 0:
+            if m.pipeline_parallel > 1:
+                raise ValueError("algo.kl_coef > 0 with train.megatron.pipeline_parallel > 1 is not supported yet")
+            self.ref = self._build_chunks()
+            for c in self.ref:
+                c.requires_grad_(False).eval()
+        return {"tp_rank": self.tp_rank, "pp_rank": self.pp_rank, "dp_rank": self.dp_rank,
+                "reporter": int(self._reports())}
+
+    def _build_chunks(self) -> list[Any]:
+        vp = self.cfg.megatron.virtual_pipeline
+        stages = [None] if vp is None else list(range(vp))
+        chunks = [build_gpt_model(self.spec, self.tconfig, vp_stage=s).to(self.device) for s in stages]
+        load_hf_into(chunks, self.model_path, self.spec, self.tp_rank, self.tp_size, self.ep_rank)
+        return chunks
+
+    def _build_ddp_and_optimizer(self, chunks: list[Any]) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        m, cfg = self.cfg.megatron, self.cfg
+        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                use_distributed_optimizer=m.distributed_optimizer)
+        self.model = [DistributedDataParallel(config=self.tconfig, ddp_config=ddp_cfg, module=c) for c in chunks]
+        opt_cfg = OptimizerConfig(optimizer="adam", lr=cfg.lr, min_lr=0.0, weight_decay=cfg.weight_decay,
+                                  adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1], adam_eps=1e-8,
+                                  clip_grad=cfg.grad_clip, bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
+                                  use_distributed_optimizer=m.distributed_optimizer)
+        self.optimizer = get_megatron_optimizer(opt_cfg, self.model)
+        self.tconfig.no_sync_func = [c.no_sync for c in self.model] if len(self.model) > 1 else self.model[0].no_sync
+        # num_tokens=None: losses are already normalized by the step's token count (module doc)
+        self.tconfig.finalize_model_grads_func = lambda models, num_tokens=None, *a, **k: finalize_model_grads(
+            models, None, *a, **k)
+        self.tconfig.grad_scale_func = self.optimizer.scale_loss
+
+    def _reports(self) -> bool:
+        """Whether this rank's loss metrics are counted (one rank per data-parallel replica)."""
+        from megatron.core import parallel_state as ps
+        return (self.tp_rank == 0 and ps.is_pipeline_last_stage(ignore_virtual=True)
+                and ps.get_context_parallel_rank() == 0)
+
+    # ---- training ----
+    def _forward_step(self, normalizer: float, data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
+        mb: MicroBatch = next(data_iterator).to(self.device)
+        out = forward_logits(model, mb)
+        ref = None
+        if self.ref is not None:
+            with torch.no_grad():
+                ref_logits = forward_logits(self.ref[0], mb)
+                scaled = picked_logits(ref_logits, mb, self.spec.vocab_size, self.temperature, self.tp_size)
+                ref = logprobs_and_entropy(scaled, mb.batch["target_ids"])[0]
+        return out, partial(self._loss, mb, ref, normalizer)
+
+    def _loss(self, mb: MicroBatch, ref: torch.Tensor | None, normalizer: float,
+              logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        loss, metrics = micro_batch_loss(logits, mb, self.algo, self.temperature, normalizer,
+                                         self.spec.vocab_size, self.tp_size, ref)
+        return loss, torch.ones((), dtype=torch.int, device=self.device), metrics
+
+    def _run_schedule(self, micro_batches: list[MicroBatch], normalizer: float, forward_only: bool) -> list[dict]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        vp = self.cfg.megatron.virtual_pipeline
+        data: Any = [iter(micro_batches) for _ in self.model] if vp else iter(micro_batches)
+        return get_forward_backward_func()(
+            forward_step_func=partial(self._forward_step, normalizer), data_iterator=data,
+            model=self.model if vp else self.model[0], num_microbatches=len(micro_batches),
+            seq_length=max(mb.input_ids.shape[1] for mb in micro_batches), micro_batch_size=1,
+            forward_only=forward_only)
+
+    @compat
+    def train(self, samples: list[Sample], normalizer: float) -> dict[str, Any]:
+        """One optimizer step over this data-parallel shard. Returns this rank's metric sums."""
+        m = self.cfg.megatron
+        samples = samples or [padding_sample(self.pad_id)]  # every replica joins the gradient all-reduce
+        mbs = build_micro_batches(samples, self.pad_id, m.pack_sequences, self.cfg.micro_batch_size,
+                                  m.micro_batch_tokens)
+        for c in self.model:
+            c.train()
+            c.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        lr = self.cfg.lr * self.lr_mult(self.sched_step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        per_micro = self._run_schedule(mbs, normalizer, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise RuntimeError("megatron optimizer step skipped (non-finite gradients)")
+        self.sched_step += 1
+        totals: dict[str, float] = {}
+        for metrics in per_micro:
+            for k, v in metrics.items():
+                totals[k] = max(totals.get(k, v), v) if k.endswith("_max") else totals.get(k, 0.0) + v
+        return {"metrics": totals, "grad_norm": float(grad_norm), "lr": lr, "reporter": self._reports(),
+                "num_micro_batches": len(mbs)}
+
+    @compat
+    def logprobs(self, samples: list[Sample]) -> list[list[float]] | None:
+        """Per-token logprobs of each sample's response under the current weights (forward only;
+        pipeline_parallel 1). Tests and diagnostics."""
+        mbs = build_micro_batches(samples, self.pad_id, self.cfg.megatron.pack_sequences,
+                                  self.cfg.micro_batch_size, self.cfg.megatron.micro_batch_tokens)
+        out: list[list[float]] = []
+        with torch.no_grad():
+            for mb in mbs:
+                mb = mb.to(self.device)
+                chunk = self.model[0]
+                chunk.eval()
+                logits = forward_logits(chunk, mb)
+                scaled = picked_logits(logits, mb, self.spec.vocab_size, self.temperature, self.tp_size)
+                lp = logprobs_and_entropy(scaled, mb.batch["target_ids"])[0].cpu()
+                n = mb.batch["response_mask"].sum(-1).long().tolist()
+                out += [lp[i, :k].tolist() for i, k in enumerate(n)]
+        return out
+
+    # ---- weights ----
+    def hf_tensors(self) -> Any:
+        """HF-named full tensors of this pipeline stage (collective over the TP group)."""
+        from megatron.core import parallel_state as ps
+        group = ps.get_tensor_model_parallel_group()
+
+        def gather(t: torch.Tensor) -> list[torch.Tensor]:
+            if self.tp_size == 1:
+                return [t]
+            shards = [torch.empty_like(t) for _ in range(self.tp_size)]
+            dist.all_gather(shards, t.contiguous(), group=group)
+            return shards
+        return iter_hf_tensors([c.module for c in self.model], self.spec, gather, self.ep_rank)
+
+    @compat
+    def export_shards(self, folder: str, max_shard_bytes: int) -> dict[str, tuple[str, int]]:
+        """Write this pipeline stage's HF tensors (data-parallel replica 0, TP rank 0 writes)."""
+        from milepost.core.train.megatron.converter import write_safetensors_shards
+        tensors = self.hf_tensors()
+        if self.dp_rank != 0:
+            return {}
+        if self.tp_rank != 0:
+            for _ in tensors:  # still join every all-gather
+                pass
+            return {}
+        return write_safetensors_shards(((n, t.to(self.dtype)) for n, t in tensors), folder,
+                                        f"model-pp{self.pp_rank:03d}", max_shard_bytes)
+
+    @compat
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """This stage's HF tensors on the CPU (every TP rank returns them; small models)."""
+        return {n: t.detach().cpu().clone() for n, t in self.hf_tensors()}
+
+    # ---- checkpoints ----
+    def _sharded_state_dict(self, is_loading: bool = False) -> dict[str, Any]:
+        if len(self.model) == 1:
+            model_sd = {"model": self.model[0].module.sharded_state_dict()}
+        else:
+            model_sd = {f"model{i}": c.module.sharded_state_dict() for i, c in enumerate(self.model)}
+        # is_loading creates the (lazily built) Adam moments first, so the load has targets for them
+        return {**model_sd, "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+
+    @compat
+    def save(self, path: str) -> None:
+        from megatron.core import dist_checkpointing
+        folder = Path(path) / "dist"
+        if self.rank == 0:
+            folder.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save(self._sharded_state_dict(), str(folder))
+        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+        torch.save(rng, Path(path) / f"rng_rank{self.rank}.pt")
+        if self.rank == 0:
+            Path(path, "scheduler.json").write_text(json.dumps({"sched_step": self.sched_step}))
+        dist.barrier()
+
+    @compat
+    def load(self, path: str) -> None:
+        from megatron.core import dist_checkpointing
+        state = dist_checkpointing.load(self._sharded_state_dict(is_loading=True), str(Path(path) / "dist"))
+        if len(self.model) == 1:
+            self.model[0].module.load_state_dict(state["model"])
+        else:
+            for i, c in enumerate(self.model):
+                c.module.load_state_dict(state[f"model{i}"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.sched_step = json.loads(Path(path, "scheduler.json").read_text())["sched_step"]
+        rng = Path(path) / f"rng_rank{self.rank}.pt"
+        if rng.exists():  # absent when resuming at another world size
+            s = torch.load(rng, weights_only=False)
+            random.setstate(s["python"])
+            np.random.set_state(s["numpy"])
+            torch.set_rng_state(s["torch"])
+
+    @compat
+    def shutdown(self) -> None:
+        from megatron.core import parallel_state as ps
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ---- weight sync (tensor / distributed transports): rank 0 sends, its TP group gathers ----
+    @compat
+    def stage_weights(self, names: list[str] | None) -> None:
+        """Gather the HF tensors `names` (all when None) of this stage onto this rank; only the
+        megatron tensors that make them are all-gathered over TP (per bucket, not the model)."""
+        from milepost.core.train.megatron.converter import global_names, mapping_for, to_hf
+        from megatron.core import parallel_state as ps
+        wanted = None if names is None else set(names)
+        staged: dict[str, torch.Tensor] = {}
+        for chunk in self.model:
+            for _, name, param in global_names(chunk.module, self.ep_rank):
+                mapping = mapping_for(name, self.spec)
+                if name == "output_layer.weight" and self.spec.tie_embeddings:
+                    continue
+                if wanted is not None and not wanted.intersection(mapping.hf_names):
+                    continue
+                t = param.detach()
+                if mapping.kind == "replicated" or self.tp_size == 1:
+                    shards = [t]
+                else:
+                    shards = [torch.empty_like(t) for _ in range(self.tp_size)]
+                    dist.all_gather(shards, t.contiguous(), group=ps.get_tensor_model_parallel_group())
+                for n, full in to_hf(mapping, shards, self.spec):
+                    if wanted is None or n in wanted:
+                        staged[n] = full
+        self._staged = staged
+
+    def _weight_sender(self) -> Any:
+        if getattr(self, "_sender", None) is None:
+            from milepost.core.train.weight_sender import WeightSender
+            worker = self
+
+            class Staged(torch.nn.Module):
+                def state_dict(self, *a: Any, **k: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
+                    return worker._staged
+            self._sender = WeightSender(Staged())
+        return self._sender
+
+    def weight_buckets(self, bucket_bytes: int) -> list[list[dict[str, Any]]]:
+        return self._weight_sender().buckets(bucket_bytes)
+
+    def named_tensors_to_shm(self, names: list[str], bucket: int, buffer_bytes: int) -> str:
+        return self._weight_sender().to_shm(names, bucket, buffer_bytes)
+
+    def release_weight_buffers(self) -> None:
+        self._weight_sender().release()
+
+    def weight_group_address(self) -> tuple[str, int]:
+        import ray  # only reached inside a Ray actor
+        return ray.util.get_node_ip_address(), self.free_port()
+
+    def init_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
+                          timeout_s: float) -> None:
+        self._weight_sender().init_group(master_address, master_port, world_size, group_name, timeout_s)
+
+    def broadcast_weights(self, names: list[str], group_name: str, flattened: bool) -> None:
+        self._weight_sender().broadcast(names, group_name, flattened)
+
+    def destroy_weight_group(self, group_name: str) -> None:
+        self._weight_sender().destroy_group(group_name)

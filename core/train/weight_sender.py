@@ -1,0 +1,218 @@
+"""The trainer's half of the tensor and distributed weight transports (rank 0 only).
+
+`tensor`: copies a bucket of named tensors into a reused named /dev/shm file and returns
+the descriptor the engine maps it by. `distributed`: joins a gloo group with the engines
+(trainer = rank 0) and broadcasts buckets, flattened or tensor by tensor.
+Formats: milepost.core.weight_sync.wire.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import random
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from milepost.core.weight_sync import wire
+
+SHM_PREFIX = "milepost-w-"
+MAX_FILES_PER_BUCKET = 4  # engines hold one set (served) and maybe one staged; more means a leak
+SPLIT_BYTES = 4 << 20  # tensors this big are cut into one piece per copy thread
+
+
+@dataclass
+class BucketFile:
+    name: str
+    fd: int  # kept open: the exclusive flock is taken on it for each write
+    buf: torch.Tensor
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale_buffers() -> None:
+    """Remove buffers left by trainer processes that died without releasing them (the pid
+    in the name is gone). Only this module's own naming pattern is touched."""
+    for path in glob.glob(os.path.join(wire.SHM_DIR, f"{SHM_PREFIX}*-*")):
+        pid = os.path.basename(path)[len(SHM_PREFIX):].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+
+class WeightSender:
+    """Sends `module`'s weights. A tied weight travels once, under its first state-dict name.
+
+    Files: bucket i is written to the first of `milepost-w-<pid>-<i>-<k>` (k = 0, 1, …)
+    that no engine holds, i.e. on which an exclusive non-blocking flock succeeds (engines
+    hold shared flocks on files whose tensors they stage or serve). So steady state
+    alternates two sets of files: one served, one written. Files are created on first use
+    and kept mapped (no page faults later); `release()` unlinks them. The copy into a file
+    runs on `copy_threads` Python threads, each copying its own pieces with one torch
+    thread: no lockstep between them, so a core busy elsewhere slows one piece instead of
+    stalling every tensor (a 2-thread torch copy of many tensors did: 1.1 vs 10 GB/s).
+    Concurrency: one caller at a time (a Ray actor runs its methods in order), so there
+    are no locks here.
+    """
+
+    def __init__(self, module: torch.nn.Module, copy_threads: int | None = None) -> None:
+        self.module = module
+        self.copy_threads = copy_threads or min(4, len(os.sched_getaffinity(0)))
+        self._copy_pool: ThreadPoolExecutor | None = None
+        self._files: dict[int, list[BucketFile]] = {}
+        self._groups: dict[str, Any] = {}
+        self._flat: torch.Tensor | None = None
+        self._swept = False
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        seen, out = set(), []
+        for name, t in self.module.state_dict().items():
+            key = (t.data_ptr(), t.numel(), t.dtype)
+            if t.numel() and key in seen:
+                continue
+            seen.add(key)
+            out.append((name, t.detach()))
+        return out
+
+    def buckets(self, bucket_bytes: int) -> list[list[wire.Spec]]:
+        return wire.plan_buckets(self.named_tensors(), bucket_bytes)
+
+    def _gather(self, names: list[str]) -> list[tuple[wire.Spec, torch.Tensor]]:
+        tensors = dict(self.named_tensors())
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise KeyError(f"the trainer's model has no tensors {missing[:5]}")
+        return [({"name": n, "dtype": wire.dtype_name(tensors[n].dtype), "shape": list(tensors[n].shape)},
+                 tensors[n]) for n in names]
+
+    # ---- tensor transport ----
+    def to_shm(self, names: list[str], bucket: int, buffer_bytes: int) -> str:
+        """Copy `names` into a free file of bucket `bucket`; returns the base64 descriptor."""
+        pairs = self._gather(names)
+        specs = [s for s, _ in pairs]
+        offs, total = wire.offsets(specs)
+        f = self._free_file(bucket, wire.HEADER_BYTES + max(total, buffer_bytes))
+        try:
+            self._copy([(wire.view(f.buf, wire.HEADER_BYTES + o, spec), t) for (spec, t), o in zip(pairs, offs)])
+            generation = random.getrandbits(62)
+            wire.write_header(f.buf, generation, f.buf.numel())
+        finally:
+            wire.unlock(f.fd)
+        return wire.encode_shm_descriptor(f.name, f.buf.numel(), generation, specs)
+
+    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """dst.copy_(src) for every pair, spread over the copy threads in balanced groups."""
+        n = self.copy_threads
+        if n == 1:
+            for dst, src in pairs:
+                dst.copy_(src)
+            return
+        pieces = []
+        for dst, src in pairs:
+            if src.numel() * src.element_size() >= SPLIT_BYTES:
+                pieces += zip(dst.view(-1).chunk(n), src.reshape(-1).chunk(n))
+            else:
+                pieces.append((dst, src))
+        groups: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(n)]
+        loads = [0] * n
+        for dst, src in sorted(pieces, key=lambda p: -p[1].numel()):
+            i = loads.index(min(loads))
+            groups[i].append((dst, src))
+            loads[i] += src.numel() * src.element_size()
+        if self._copy_pool is None:
+            self._copy_pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="weight-copy")
+        for _ in self._copy_pool.map(lambda g: [d.copy_(s) for d, s in g], groups):
+            pass
+
+    def _free_file(self, bucket: int, nbytes: int) -> BucketFile:
+        """A file of bucket `bucket` that no engine holds, locked exclusively, >= nbytes."""
+        if not self._swept:
+            sweep_stale_buffers()
+            self._swept = True
+        files = self._files.setdefault(bucket, [])
+        for f in list(files):
+            if wire.try_lock(f.fd, exclusive=True):
+                if f.buf.numel() >= nbytes:
+                    return f
+                files.remove(f)  # too small: replace it (readers keep the old inode)
+                os.close(f.fd)
+                files.append(self._create(f.name, nbytes))
+                return files[-1]
+        if len(files) >= MAX_FILES_PER_BUCKET:
+            raise RuntimeError(f"engines still hold all {len(files)} shared-memory files of bucket {bucket}; "
+                               "an engine is stuck in a weight-update session or leaks leases")
+        used = {f.name for f in files}
+        name = next(n for k in range(MAX_FILES_PER_BUCKET + 1)
+                    if (n := f"{SHM_PREFIX}{os.getpid()}-{bucket}-{k}") not in used)
+        files.append(self._create(name, nbytes))
+        return files[-1]
+
+    @staticmethod
+    def _create(name: str, nbytes: int) -> BucketFile:
+        st = os.statvfs(wire.SHM_DIR)
+        if st.f_bavail * st.f_frsize < nbytes:  # writing past a full tmpfs is a SIGBUS, not an error
+            raise RuntimeError(f"{wire.SHM_DIR} has {st.f_bavail * st.f_frsize / 2**20:.0f} MiB free; the tensor "
+                               f"transport needs {nbytes / 2**20:.0f} MiB more: enlarge {wire.SHM_DIR} (e.g. "
+                               "docker --shm-size) or use sync.transport distributed or disk")
+        fd = wire.create_shm(name, nbytes)
+        if not wire.try_lock(fd, exclusive=True):  # new inode: nobody else can hold it
+            raise AssertionError(f"fresh file {name} is locked")
+        return BucketFile(name, fd, wire.map_fd(fd))
+
+    def release(self) -> None:
+        """Unlink every file (engines keep the memory they map until they swap it out)."""
+        for files in self._files.values():
+            for f in files:
+                os.close(f.fd)
+                try:
+                    os.unlink(wire.shm_path(f.name))
+                except FileNotFoundError:
+                    pass
+        self._files.clear()
+
+    # ---- distributed transport ----
+    def init_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
+                   timeout_s: float) -> None:
+        if group_name in self._groups:
+            raise ValueError(f"weight-update group {group_name} exists; destroy it first")
+        self._groups[group_name] = wire.init_weight_group(master_address, master_port, 0, world_size,
+                                                          group_name, timeout_s)
+
+    def broadcast(self, names: list[str], group_name: str, flattened: bool) -> None:
+        """Broadcast one bucket from rank 0; returns when every engine has it (or the
+        group's timeout raises)."""
+        pg = self._groups[group_name]
+        pairs = self._gather(names)
+        if not flattened:
+            works = [dist.broadcast(t.contiguous(), src=0, group=pg, async_op=True) for _, t in pairs]
+            for w in works:
+                w.wait()
+            return
+        specs = [s for s, _ in pairs]
+        if len({s["dtype"] for s in specs}) != 1:
+            raise ValueError("a flattened bucket must hold one dtype (plan it with buckets())")
+        offs, total = wire.offsets(specs)
+        if self._flat is None or self._flat.numel() < total:
+            self._flat = torch.empty(total, dtype=torch.uint8)
+        for (spec, t), o in zip(pairs, offs):
+            wire.view(self._flat, o, spec).copy_(t)
+        dist.broadcast(self._flat[:total].view(wire.parse_dtype(specs[0]["dtype"])), src=0, group=pg)
+
+    def destroy_group(self, group_name: str) -> None:
+        pg = self._groups.pop(group_name, None)
+        if pg is not None:
+            wire.destroy_weight_group(pg)

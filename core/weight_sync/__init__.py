@@ -1,0 +1,40 @@
+"""Weight sync: make every engine serve the trainer's newest policy.
+
+Transports, one interface (`WeightTransport.push(clients, export_dir, version, backend)`):
+- `disk`: the trainer exports an HF folder; engines load it (/update_weights_from_disk).
+- `tensor` (colocated): buckets through named /dev/shm buffers (/update_weights_from_tensor).
+- `distributed` (disaggregated): a gloo/nccl group from trainer rank 0 to every engine,
+  bucketed broadcast (/update_weights_from_distributed).
+The session transports follow SGLang's sequence (pause → flush → begin_weight_update →
+send → update_weight_version → end_weight_update → continue); ordering, timeout and retry
+rules are in SessionTransport's docstring.
+"""
+
+from __future__ import annotations
+
+from milepost.core.config import SyncConfig
+from milepost.core.weight_sync.base import WeightSource, WeightSyncError, WeightTransport
+from milepost.core.weight_sync.disk import DiskTransport
+from milepost.core.weight_sync.distributed import DistributedTransport
+from milepost.core.weight_sync.tensor import TensorTransport
+
+TRANSPORTS = ("disk", "tensor", "distributed")
+
+
+def build_transport(name: "str | SyncConfig", timeout_s: float = 120.0, bucket_mb: float = 512.0,
+                    num_attempts: int = 2, pause_mode: str = "abort") -> WeightTransport:
+    """The transport `name` (sync.transport), or the one a whole `SyncConfig` describes
+    (its timeout_s and bucket_mb then win). `timeout_s` bounds each push attempt."""
+    if isinstance(name, SyncConfig):
+        name, timeout_s, bucket_mb = name.transport, name.timeout_s, name.bucket_mb
+    if name == "disk":
+        return DiskTransport(num_attempts, timeout_s, pause_mode)
+    if name == "tensor":
+        return TensorTransport(timeout_s, bucket_mb, num_attempts, pause_mode)
+    if name == "distributed":
+        return DistributedTransport(timeout_s, bucket_mb, num_attempts, pause_mode)
+    raise ValueError(f"sync.transport `{name}` is not available; use one of {', '.join(TRANSPORTS)}")
+
+
+__all__ = ["WeightTransport", "WeightSource", "WeightSyncError", "DiskTransport", "TensorTransport",
+           "DistributedTransport", "build_transport", "TRANSPORTS"]

@@ -1,0 +1,99 @@
+"""`distributed` transport (disaggregated): trainer rank 0 and every engine form one
+process group (/init_weights_update_group); each bucket is one
+/update_weights_from_distributed per engine while the trainer broadcasts it from src 0."""
+
+from __future__ import annotations
+
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+from milepost.core.engine.client import EngineClient
+from milepost.core.weight_sync import wire
+from milepost.core.weight_sync.base import Deadline, WeightSource, best_effort, log, on_engines, result
+from milepost.core.weight_sync.session import SessionTransport
+
+
+class DistributedTransport(SessionTransport):
+    """Rules: the group is made once per set of engines (trainer rank 0, engine i rank 1+i)
+    and reused across pushes; after any failed attempt it is destroyed on all sides and made
+    again under a new name, because a collective that failed leaves its peers out of step.
+    Buckets go one at a time, each in the same order on both sides. The trainer's side of
+    the group times out after `timeout_s`, so a broadcast to a dead engine ends.
+    `flattened`: one broadcast per bucket (load_format flattened_bucket) instead of one per
+    tensor; `group_backend`: gloo on CPU, nccl for SGLang on GPUs.
+    """
+
+    name = "distributed"
+
+    def __init__(self, timeout_s: float = 120.0, bucket_mb: float = 512.0, num_attempts: int = 2,
+                 pause_mode: str = "abort", cleanup_timeout_s: float = 5.0, flattened: bool = False,
+                 group_backend: str = "gloo") -> None:
+        super().__init__(timeout_s, bucket_mb, num_attempts, pause_mode, cleanup_timeout_s)
+        self.flattened, self.group_backend = flattened, group_backend
+        self._group: tuple[str, tuple[str, ...]] | None = None  # (name, engine urls)
+        self._clients: list[EngineClient] = []
+
+    def _prepare(self, pool: ThreadPoolExecutor, clients: list[EngineClient], backend: WeightSource,
+                 deadline: Deadline) -> None:
+        urls = tuple(c.base_url for c in clients)
+        if self._group is not None and self._group[1] == urls:
+            return
+        if self._group is not None:
+            self._destroy(pool, self._clients, backend)
+        name, world = f"milepost_wu_{uuid.uuid4().hex[:8]}", len(clients) + 1
+        address, port = backend.weight_group_address(timeout_s=deadline.left())
+        self._group, self._clients = (name, urls), list(clients)  # set first: a failure destroys it
+        # the group's timeout (every later broadcast too) is a whole attempt's
+        trainer = pool.submit(lambda: backend.init_weight_group(address, port, world, name, timeout_s=self.timeout_s))
+        on_engines(pool, clients, "init_weights_update_group", lambda c: c.init_weights_update_group(
+            address, port, 1 + clients.index(c), world, name, self.group_backend, timeout_s=deadline.left()),
+            deadline)
+        result(trainer, deadline, "trainer joining the weight-update group")
+
+    def _send(self, pool: ThreadPoolExecutor, clients: list[EngineClient], backend: WeightSource,
+              deadline: Deadline) -> int:
+        assert self._group is not None
+        group = self._group[0]
+        fmt = "flattened_bucket" if self.flattened else None
+        flush = self.pause_mode != "in_place"
+        nbytes = 0
+        for i, bucket in enumerate(self.plan(backend, deadline)):
+            names = [s["name"] for s in bucket]
+            dtypes, shapes = [s["dtype"] for s in bucket], [s["shape"] for s in bucket]
+            sender = pool.submit(lambda: backend.broadcast_weights(names, group, self.flattened,
+                                                                   timeout_s=deadline.left()))
+            on_engines(pool, clients, "update_weights_from_distributed", lambda c: c.update_weights_from_distributed(
+                names, dtypes, shapes, group, fmt, flush, timeout_s=deadline.left()), deadline)
+            result(sender, deadline, f"trainer broadcasting bucket {i}")
+            nbytes += wire.offsets(bucket)[1]
+        return nbytes
+
+    def _engine_failure_cleanup(self, client: EngineClient, deadline: Deadline) -> None:
+        if self._group is not None:
+            client.destroy_weights_update_group(self._group[0], timeout_s=deadline.left())
+
+    def _on_failure(self, backend: WeightSource) -> None:
+        if self._group is not None:
+            self._destroy_on_trainer(backend)
+
+    def _destroy_on_trainer(self, backend: WeightSource) -> None:
+        """Forget the group and destroy the trainer's side. The call may wait behind a
+        broadcast that is still timing out: it is bounded, and the next group has a new name."""
+        assert self._group is not None
+        name, self._group = self._group[0], None
+        try:
+            backend.destroy_weight_group(name, timeout_s=self.cleanup_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - logged; nothing reuses the name
+            log.warning("destroying weight-update group %s on the trainer: %s", name, exc)
+
+    def _destroy(self, pool: ThreadPoolExecutor, clients: list[EngineClient], backend: WeightSource) -> None:
+        assert self._group is not None
+        name = self._group[0]
+        best_effort(pool, clients, self.cleanup_timeout_s,
+                    lambda c, d: c.destroy_weights_update_group(name, timeout_s=d.left()))
+        self._destroy_on_trainer(backend)
+
+    def close(self) -> None:
+        if self._group is not None and self.backend is not None:
+            with ThreadPoolExecutor(max_workers=len(self._clients) + 1) as pool:
+                self._destroy(pool, self._clients, self.backend)

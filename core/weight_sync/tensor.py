@@ -1,0 +1,77 @@
+"""`tensor` transport (colocated): the trainer writes buckets into /dev/shm files, engines
+take them through /update_weights_from_tensor (load_format flattened_bucket)."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from milepost.core.engine.client import EngineClient
+from milepost.core.weight_sync import wire
+from milepost.core.weight_sync.base import Deadline, WeightSource, log, on_engines, result
+from milepost.core.weight_sync.session import SessionTransport
+
+
+class TensorTransport(SessionTransport):
+    """One copy per push: the trainer copies its weights into shared-memory files and the
+    built-in engine serves them in place (file ownership rules in wire's docstring).
+
+    Overlap: the first bucket is written while the engines pause, flush and begin (the
+    trainer's own free files need no paused engine), and bucket i+1 while the engines take
+    bucket i. The files stay on the trainer between pushes (no page faults after the first
+    two); `close()` unlinks them. Engines must share the trainer's host (/dev/shm is per
+    host). One push at a time per transport object (the writer state below is per push).
+    """
+
+    name = "tensor"
+
+    def _prepare(self, pool: ThreadPoolExecutor, clients: list[EngineClient], backend: WeightSource,
+                 deadline: Deadline) -> None:
+        plan = self.plan(backend, deadline)
+        sizes = [wire.offsets(b)[1] for b in plan]
+        self._bytes, buffer_bytes = sum(sizes), max(sizes, default=0)  # every file fits any bucket
+
+        def write(i: int) -> str:
+            names = [s["name"] for s in plan[i]]
+            return backend.named_tensors_to_shm(names, i, buffer_bytes, timeout_s=deadline.left())
+
+        self._write = write
+        self._stage = ThreadPoolExecutor(max_workers=4, thread_name_prefix="weight-sync-stage")
+        self._first: Future | None = self._stage.submit(write, 0) if plan else None
+
+    def _send(self, pool: ThreadPoolExecutor, clients: list[EngineClient], backend: WeightSource,
+              deadline: Deadline) -> int:
+        flush = self.pause_mode != "in_place"
+        num_buckets = len(self.plan(backend, deadline))
+
+        def post(descriptor: str) -> None:
+            on_engines(pool, clients, "update_weights_from_tensor", lambda c: c.update_weights_from_tensor(
+                [descriptor], "flattened_bucket", flush, timeout_s=deadline.left()), deadline)
+
+        try:  # the writer and the posters run in `_stage`; `pool` serves the per-engine calls
+            posts, writing = [], self._first
+            for i in range(num_buckets):
+                descriptor = result(writing, deadline, f"trainer writing bucket {i}")
+                if i + 1 < num_buckets:
+                    writing = self._stage.submit(self._write, i + 1)
+                posts.append(self._stage.submit(post, descriptor))
+            for i, p in enumerate(posts):
+                result(p, deadline, f"engines taking bucket {i}")
+        finally:
+            self._stop_stage()
+        return self._bytes
+
+    def _on_failure(self, backend: WeightSource) -> None:
+        self._stop_stage()
+
+    def _stop_stage(self) -> None:
+        stage = getattr(self, "_stage", None)
+        if stage is not None:
+            stage.shutdown(wait=False, cancel_futures=True)
+            self._stage = None
+
+    def close(self) -> None:
+        if self.backend is not None:
+            try:
+                self.backend.release_weight_buffers(timeout_s=self.cleanup_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - the trainer may be gone already
+                log.warning("releasing the trainer's weight buffers: %s", exc)

@@ -1,0 +1,200 @@
+"""What travels between trainer and engine in the tensor and distributed transports.
+
+Shared by both sides (the engine imports only this module of the package): dtype names,
+bucket plans, the shared-memory descriptor sent as `serialized_named_tensors`, named
+/dev/shm buffers, and the weight-update process group.
+
+A bucket plan is a list of buckets; a bucket is a list of specs {"name", "dtype", "shape"}
+in the order the bytes travel. As in SGLang's FlattenedTensorBucket, a bucket holds one
+dtype and its flat form is the tensors' elements back to back; a tensor larger than the
+bucket size gets a bucket of its own.
+
+Shared-memory buckets (tensor transport): the trainer writes a bucket into a named
+/dev/shm file (header, then the tensors) and sends a descriptor (JSON, then base64; one per
+TP rank in the request's list):
+    {"format": "milepost-shm-v1", "shm_name": str, "nbytes": int, "generation": int,
+     "tensors": [{"name", "dtype", "shape", "offset"}]}     offset: bytes from the file start
+The engine maps the file and serves the tensors in place (no copy). Ownership is a file
+lock: an engine holds a shared flock on every file whose tensors it has staged or serves;
+the trainer rewrites a file only under an exclusive non-blocking flock, so never one an
+engine uses. The header's generation (random per write) must equal the descriptor's, so a
+late request never takes a file rewritten since. Header: int64 magic, generation, nbytes.
+Real SGLang carries CUDA IPC handles in the same field on GPU; this format is the built-in
+engine's CPU equivalent (JSON, not pickle, so a request can never run code).
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import fcntl
+import json
+import math
+import mmap
+import os
+import re
+from typing import Any
+
+import torch
+
+SHM_FORMAT = "milepost-shm-v1"
+HEADER_BYTES = 64  # keeps every tensor 64-byte aligned
+MAGIC = 0x6D696C65706F7374  # "milepost"
+SHM_DIR = "/dev/shm"
+_SHM_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "int8": torch.int8,
+    "uint8": torch.uint8, "bool": torch.bool,
+}
+
+Spec = dict[str, Any]  # {"name": str, "dtype": str, "shape": list[int]}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: Any) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def spec_nbytes(spec: Spec) -> int:
+    return math.prod(spec["shape"]) * parse_dtype(spec["dtype"]).itemsize
+
+
+def plan_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[Spec]]:
+    """Group tensors, in order, into one-dtype buckets of at most `bucket_bytes` (a bigger
+    tensor alone)."""
+    buckets: list[list[Spec]] = []
+    size, dtype = bucket_bytes + 1, None  # forces a new bucket for the first tensor
+    for name, t in named:
+        n = t.numel() * t.element_size()
+        if size + n > bucket_bytes or t.dtype != dtype:
+            buckets.append([])
+            size, dtype = 0, t.dtype
+        buckets[-1].append({"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape)})
+        size += n
+    return buckets
+
+
+def offsets(specs: list[Spec]) -> tuple[list[int], int]:
+    """Byte offsets of each spec in a flat bucket (back to back), and the bucket's size."""
+    out, pos = [], 0
+    for s in specs:
+        out.append(pos)
+        pos += spec_nbytes(s)
+    return out, pos
+
+
+def encode_shm_descriptor(shm_name: str, nbytes: int, generation: int, specs: list[Spec]) -> str:
+    """Descriptor of `specs` stored back to back after the header of file `shm_name`."""
+    offs, _ = offsets(specs)
+    body = {"format": SHM_FORMAT, "shm_name": shm_name, "nbytes": nbytes, "generation": generation,
+            "tensors": [{**s, "offset": HEADER_BYTES + o} for s, o in zip(specs, offs)]}
+    return base64.b64encode(json.dumps(body).encode()).decode()
+
+
+def decode_shm_descriptor(blob: Any) -> dict[str, Any]:
+    """Parse and check a descriptor; ValueError names what is wrong."""
+    try:
+        body = json.loads(base64.b64decode(blob, validate=True))
+    except Exception as exc:  # noqa: BLE001 - any garbage is the caller's error
+        raise ValueError(f"serialized_named_tensors is not base64 JSON ({SHM_FORMAT}): {exc}") from None
+    if not isinstance(body, dict) or body.get("format") != SHM_FORMAT:
+        raise ValueError(f"serialized_named_tensors must be a {SHM_FORMAT} descriptor on CPU")
+    shm_path(body.get("shm_name"))
+    nbytes, generation = body.get("nbytes"), body.get("generation")
+    if not (isinstance(nbytes, int) and isinstance(generation, int) and isinstance(body.get("tensors"), list)):
+        raise ValueError("descriptor needs int `nbytes` and `generation` and a `tensors` list")
+    for t in body["tensors"]:
+        if not (isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("offset"), int)
+                and isinstance(t.get("shape"), list) and all(isinstance(d, int) and d >= 0 for d in t["shape"])):
+            raise ValueError(f"bad tensor entry in descriptor: {str(t)[:200]}")
+        end = t["offset"] + spec_nbytes(t)
+        if t["offset"] < HEADER_BYTES or end > nbytes or t["offset"] % parse_dtype(t["dtype"]).itemsize:
+            raise ValueError(f"tensor {t['name']} at bytes [{t['offset']}, {end}) lies outside the "
+                             f"{nbytes}-byte buffer's data or is misaligned")
+    return body
+
+
+def shm_path(name: Any) -> str:
+    if not isinstance(name, str) or not _SHM_NAME.match(name):
+        raise ValueError(f"shared-memory name {name!r} must match {_SHM_NAME.pattern}")
+    return os.path.join(SHM_DIR, name)
+
+
+def create_shm(name: str, nbytes: int) -> int:
+    """A new named /dev/shm file of `nbytes`; returns an open fd. An old file of that name
+    is unlinked first, never truncated: a reader still mapping it keeps valid memory."""
+    path = shm_path(name)
+    if os.path.exists(path):
+        os.unlink(path)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    os.ftruncate(fd, nbytes)
+    return fd
+
+
+def map_fd(fd: int) -> torch.Tensor:
+    """The whole file as a shared uint8 tensor, pages mapped up front (MAP_POPULATE) so the
+    first use pays no page faults. The mapping lives as long as the tensor or a view of it."""
+    size = os.fstat(fd).st_size
+    mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    return torch.frombuffer(mm, dtype=torch.uint8)
+
+
+def file_identity(fd_or_path: int | str) -> tuple[int, int]:
+    st = os.fstat(fd_or_path) if isinstance(fd_or_path, int) else os.stat(fd_or_path)
+    return st.st_ino, st.st_size
+
+
+def try_lock(fd: int, exclusive: bool) -> bool:
+    """Non-blocking flock; False if another process holds a conflicting lock."""
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def unlock(fd: int) -> None:
+    fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+def write_header(buf: torch.Tensor, generation: int, nbytes: int) -> None:
+    buf[:24].view(torch.int64).copy_(torch.tensor([MAGIC, generation, nbytes], dtype=torch.int64))
+
+
+def read_generation(buf: torch.Tensor) -> int | None:
+    magic, generation, _ = buf[:24].view(torch.int64).tolist()
+    return generation if magic == MAGIC else None
+
+
+def view(buf: torch.Tensor, offset: int, spec: Spec) -> torch.Tensor:
+    """The tensor `spec` stored at byte `offset` of a flat uint8 buffer (no copy)."""
+    n = spec_nbytes(spec)
+    return buf[offset:offset + n].view(parse_dtype(spec["dtype"])).view(spec["shape"])
+
+
+def init_weight_group(master_address: str, master_port: int, rank: int, world_size: int,
+                      group_name: str, timeout_s: float, backend: str = "gloo") -> Any:
+    """A process group beside any default group this process has (SGLang's pattern:
+    rendezvous + _new_process_group_helper). Rank 0 hosts the TCP store."""
+    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper,
+                                                    _world, rendezvous)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
+                                              timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
+                                      backend_options=None, timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def destroy_weight_group(pg: Any) -> None:
+    import torch.distributed as dist
+    dist.destroy_process_group(pg)

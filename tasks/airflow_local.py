@@ -1,0 +1,183 @@
+"""Airflow on this machine, for `milepost run` (embedded) and `milepost airflow up|down`.
+
+Embedded mode runs the very DAG a scheduler runs (dags/: one run = one block) through
+`dag.test()`, in a child process of `milepost run` (`python -m milepost.tasks.airflow_local
+embedded …`), so that Airflow's import, logging set-up and database stay out of the CLI
+process. Its AIRFLOW_HOME is `<campaign>/airflow/` (SQLite, migrated on first use), its dags
+folder the project's `dags/`, and its campaigns file names only this campaign, with the
+campaign's resolved recipe (`<campaign>/campaign.yaml`) as the DAG's recipe.
+
+Each block's DAG run logs to `<campaign>/airflow/logs/block_<NNNNNN>.log` (every task's log,
+in order, as the Airflow UI would show them one by one); `milepost run` prints that path when
+the block starts. Between blocks the driver applies the same progression decision as the
+DAG's `progress` task (`tasks.progression.after_evaluate`, idempotent) and stops on
+`done`, `paused` or `stopped`.
+
+The child dies with `milepost run` (`MILEPOST_DRIVER_PID`, as stage jobs do), and its local
+stage jobs die with it too (`MILEPOST_EMBEDDED_DRIVER_PID`, read by the stage operator).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import yaml
+from milepost.core.store import CampaignStore
+
+EXIT_DONE, EXIT_FAILED, EXIT_REFUSED, EXIT_PAUSED = 0, 1, 2, 3
+EMBEDDED_POLL_S = 0.5  # how often an in-process trigger looks at a local stage (the default is 5 s)
+EMBEDDED_RETRY_DELAY_S = 5.0
+
+
+def dags_folder() -> Path:
+    import milepost.dags
+
+    return Path(milepost.dags.__file__).resolve().parent
+
+
+def embedded_home(store: CampaignStore) -> Path:
+    return Path(store.local_path("airflow"))
+
+
+def block_log(store: CampaignStore, block: int) -> Path:
+    return embedded_home(store) / "logs" / f"block_{block:06d}.log"
+
+
+def airflow_env(home: Path, campaigns_file: Path | None = None, **extra: str) -> dict[str, str]:
+    """The environment of an Airflow of our own: its home, the project's dags, no examples."""
+    env = {**os.environ, "AIRFLOW_HOME": str(home), "AIRFLOW__CORE__DAGS_FOLDER": str(dags_folder()),
+           "AIRFLOW__CORE__LOAD_EXAMPLES": "False", "AIRFLOW__LOGGING__COLORED_CONSOLE_LOG": "False", **extra}
+    if campaigns_file is not None:
+        env["MILEPOST_CAMPAIGNS_FILE"] = str(campaigns_file)
+    return env
+
+
+def embedded_env(store: CampaignStore, dag_id: str, driver_pid: int, lease_owner: str) -> dict[str, str]:
+    home = embedded_home(store)
+    (home / "logs").mkdir(parents=True, exist_ok=True)
+    listing = home / "campaigns.yaml"
+    listing.write_text(yaml.safe_dump([{
+        "recipe": store.local_path("campaign.yaml"), "campaign_url": store.url if "://" in store.url
+        else os.path.abspath(store.url), "dag_id": dag_id, "tags": ["embedded"],
+        "poll_interval_s": EMBEDDED_POLL_S, "retry_delay_s": EMBEDDED_RETRY_DELAY_S}]))
+    from milepost.dags.names import (
+        DRIVER_PID_ENV,
+        EMBEDDED_DRIVER_PID_ENV,
+        LEASE_OWNER_ENV,
+    )
+
+    return airflow_env(home, listing, **{EMBEDDED_DRIVER_PID_ENV: str(driver_pid), DRIVER_PID_ENV: str(driver_pid),
+                                         LEASE_OWNER_ENV: lease_owner})
+
+
+def ensure_migrated(home: Path) -> None:
+    """`airflow db migrate` on first use (≈ 5-11 s), skipped once this Airflow version did it."""
+    import airflow
+    from airflow.utils import db
+
+    marker = home / f".migrated-{airflow.__version__}"
+    if not marker.exists():
+        db.upgradedb()
+        marker.write_text(time.strftime("%Y-%m-%dT%H:%M:%S"))
+
+
+class _BlockLog:
+    """fds 1 and 2 pointed at one block's log while its DAG run runs (Airflow's task logs go
+    to stdout under dag.test); `user` stays the terminal of `milepost run`."""
+
+    def __init__(self) -> None:
+        self.user = os.fdopen(os.dup(2), "w", buffering=1)
+        self._saved = (os.dup(1), os.dup(2))
+
+    def to(self, path: Path) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+
+    def back(self) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(self._saved[0], 1)
+        os.dup2(self._saved[1], 2)
+
+
+def run_embedded_blocks(url: str, dag_id: str) -> int:
+    """The child's loop: one dag.test() per block until done, paused, stopped or failed."""
+    from milepost.core.recipe_io import recipe_from_dict
+    from milepost.tasks.progression import after_evaluate, next_block
+    from milepost.tasks.stage import _die_with_driver
+
+    _die_with_driver()
+    store = CampaignStore(url)
+    recipe = recipe_from_dict(yaml.safe_load(store.read_text("campaign.yaml")), "campaign.yaml")
+    logs = _BlockLog()
+    block = next_block(store, recipe)
+    if block is None:
+        return EXIT_DONE
+    logs.to(block_log(store, block))  # Airflow's start-up output goes to the first block's log
+    try:
+        ensure_migrated(embedded_home(store))
+        from airflow.dag_processing.dagbag import DagBag
+
+        bag = DagBag(dag_folder=str(dags_folder()))
+        if bag.import_errors or dag_id not in bag.dags:
+            logs.user.write(f"milepost: the campaign's DAG {dag_id} did not load: {bag.import_errors}\n")
+            return EXIT_FAILED
+        dag = bag.dags[dag_id]
+        attempt = 0
+        while block is not None:
+            logs.to(block_log(store, block))
+            started = time.time()
+            run = dag.test(run_conf={"campaign_url": url, "block": block, "overrides": [], "resume": False},
+                           logical_date=None)
+            state = str(getattr(run.state, "value", run.state))
+            store.write_json(f"blocks/{block:06d}/dag_run.json", {
+                "mode": "embedded", "dag_id": dag_id, "run_id": run.run_id, "state": state,
+                "started_at": started, "ended_at": time.time()})
+            if state != "success":
+                if attempt < recipe.cluster.max_block_retries:
+                    # The run's teardown released the block; a new run launches it afresh and
+                    # train resumes from its last checkpoint (a lost node, a cancelled allocation).
+                    attempt += 1
+                    logs.user.write(f"milepost: block {block}'s DAG run {state} (task log: {block_log(store, block)}); "
+                                    f"tearing the block down and launching it again ({attempt}/"
+                                    f"{recipe.cluster.max_block_retries})\n")
+                    continue
+                logs.user.write(f"milepost: block {block}'s DAG run {state}; its task log: {block_log(store, block)}\n")
+                return EXIT_FAILED
+            attempt = 0
+            decision = after_evaluate(store, recipe, block)
+            if decision.action != "next":
+                logs.user.write(f"milepost: {decision.message}\n")
+                return EXIT_DONE if decision.action == "done" else EXIT_PAUSED
+            block = decision.next_block
+        return EXIT_DONE
+    finally:
+        logs.back()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="milepost's embedded Airflow (started by `milepost run`)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    emb = sub.add_parser("embedded", help="run a prepared campaign's blocks through dag.test()")
+    emb.add_argument("--campaign", required=True)
+    emb.add_argument("--dag-id", required=True)
+    args = parser.parse_args(argv)
+    return run_embedded_blocks(args.campaign, args.dag_id)
+
+
+def child_command(url: str, dag_id: str) -> list[str]:
+    return [sys.executable, "-m", "milepost.tasks.airflow_local", "embedded", "--campaign", url, "--dag-id", dag_id]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -1,0 +1,202 @@
+"""The three weight transports against real built-in engine processes over real HTTP, with
+the trainer side in a real Ray actor (TorchBackend, one rank)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+import ray
+
+from milepost.core.config import AlgoConfig, TrainConfig
+from milepost.core.engine.client import EngineClient, EngineError
+from milepost.core.train.torch_backend import TorchBackend
+from milepost.core.types import Sample
+from milepost.core.weight_sync import (DistributedTransport, TensorTransport, WeightSyncError, build_transport,
+                                      wire)
+from milepost.core.weight_sync.base import on_engines
+
+from tinymodels import save_tiny_qwen2, start_engines, stop_engines
+
+PROMPTS = [[3, 4, 5], [7, 8, 9, 10], [11]]
+GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+TIMEOUT_S = 5.0  # per push attempt in the stopped-engine tests
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> tuple[str, str]:
+    root = tmp_path_factory.mktemp("models")
+    shape = dict(vocab=48, tie_embeddings=True, max_positions=256)
+    return save_tiny_qwen2(root / "v0", 0, **shape), save_tiny_qwen2(root / "v1", 1, **shape)
+
+
+@pytest.fixture(scope="module")
+def engines(models, tmp_path_factory):
+    """Two engine processes serving v0 (started together, so their start-ups overlap)."""
+    started = start_engines(models[0], tmp_path_factory.mktemp("logs"), 2, "--weight-update-timeout-s", "20")
+    yield started
+    stop_engines(started)
+
+
+@pytest.fixture(scope="module")
+def backend(models):
+    """The trainer: v1 plus one optimizer step, so its weights exist in no file."""
+    ray.init(num_cpus=2, include_dashboard=False)
+    b = TorchBackend.create(models[1], TrainConfig(num_ranks=1, micro_batch_size=4, lr=1e-2), AlgoConfig(),
+                            1.0, seed=0)
+    sample = Sample(prompt_index=0, group_index=0, prompt_ids=[3, 4, 5], response_ids=[6, 7, 8],
+                    engine_logprobs=[-3.0, -3.0, -3.0], loss_mask=[1, 1, 1], finish_reason="stop",
+                    weight_version="0", label="", advantage=1.0)
+    b.train_step([sample], step=1)
+    yield b
+    b.shutdown()
+    ray.shutdown()
+
+
+def _outputs(clients: list[EngineClient]) -> list[list[list[int]]]:
+    return [[o["output_ids"] for o in c.generate(PROMPTS, GREEDY)] for c in clients]
+
+
+def _load_disk(clients: list[EngineClient], path: str, version: str) -> None:
+    build_transport("disk").push(clients, path, version)
+
+
+@pytest.fixture(scope="module")
+def reference(engines, backend, models, tmp_path_factory):
+    """Greedy outputs after a disk load of the trainer's weights, and of v0."""
+    clients = [c for _, c in engines]
+    export = str(tmp_path_factory.mktemp("export"))
+    backend.export_hf(export)
+    _load_disk(clients, export, "disk")
+    trained = _outputs(clients)
+    _load_disk(clients, models[0], "0")
+    return {"trained": trained, "v0": _outputs(clients)}
+
+
+@pytest.mark.parametrize("make", [
+    lambda: TensorTransport(timeout_s=60),
+    lambda: TensorTransport(timeout_s=60, bucket_mb=0.01),  # many buckets: writes overlap reads
+    lambda: DistributedTransport(timeout_s=60),
+    lambda: DistributedTransport(timeout_s=60, bucket_mb=0.01, flattened=True),
+], ids=["tensor", "tensor-small-buckets", "distributed", "distributed-flattened-small-buckets"])
+def test_push_serves_what_a_disk_load_serves(make, engines, backend, models, reference):
+    clients = [c for _, c in engines]
+    _load_disk(clients, models[0], "0")
+    transport = make()
+    try:
+        for version in ("1", "2"):  # the second push reuses buffers / the group
+            metrics = transport.push(clients, "", version, backend=backend)
+            assert metrics["sync/bytes"] > 0 and metrics["sync/attempts"] == 1
+            assert [c.model_info()["weight_version"] for c in clients] == [version, version]
+            assert _outputs(clients) == reference["trained"]
+    finally:
+        transport.close()
+    assert reference["trained"] != reference["v0"]
+
+
+@pytest.mark.parametrize("name", ["tensor", "distributed", "disk"])
+def test_stopped_engine_fails_within_timeout_and_others_keep_serving(name, engines, backend, models, reference,
+                                                                     tmp_path):
+    (_, healthy), (stopped_proc, stopped) = engines
+    _load_disk([healthy, stopped], models[0], "0")
+    export = str(tmp_path / "export")
+    if name == "disk":
+        backend.export_hf(export)
+    transport = build_transport(name, timeout_s=TIMEOUT_S)
+    os.kill(stopped_proc.pid, signal.SIGSTOP)
+    start = time.monotonic()
+    try:
+        with pytest.raises(WeightSyncError) as err:
+            transport.push([healthy, stopped], export, "9", backend=backend)
+        elapsed = time.monotonic() - start
+    finally:
+        os.kill(stopped_proc.pid, signal.SIGCONT)
+        transport.close()
+    assert elapsed < 3 * TIMEOUT_S, f"a push against a stopped engine took {elapsed:.1f} s"  # hang check
+    assert stopped.base_url in str(err.value)
+    assert healthy.model_info()["weight_version"] == "0"
+    assert _outputs([healthy]) == reference["v0"][:1]
+    # resumed: the requests that waited in its sockets do not leave it paused or changed
+    assert stopped.model_info()["weight_version"] == "0"
+    assert [[o["output_ids"] for o in stopped.generate(PROMPTS, GREEDY, timeout_s=30)]] == reference["v0"][1:]
+
+
+def test_session_rules(engines, models):
+    (_, client), _ = engines
+    url = client.base_url
+    with pytest.raises(EngineError) as err:
+        client.update_weights_from_tensor(["e30="])
+    assert err.value.status == 400 and "begin_weight_update" in err.value.message
+    before = client.model_info()["weight_version"]
+    client.begin_weight_update()
+    try:
+        with pytest.raises(EngineError) as err:
+            client.begin_weight_update()
+        assert err.value.status == 400 and "already open" in err.value.message
+        with pytest.raises(EngineError):
+            client.update_weights_from_disk(models[0])  # not while a session is open
+        client.update_weight_version("staged")  # waits for the end of the session
+        assert client.model_info()["weight_version"] == before
+    finally:
+        client.end_weight_update(abort=True)
+    assert client.model_info()["weight_version"] == before
+    with pytest.raises(EngineError):
+        client.end_weight_update()  # no session any more
+    assert httpx.post(f"{url}/update_weights_from_tensor", json={"serialized_named_tensors": ["x"]},
+                      timeout=10).status_code == 400
+
+
+def test_mismatched_bucket_is_rejected_and_the_engine_keeps_serving(engines, models, reference):
+    (_, client), _ = engines
+    _load_disk([client], models[0], "0")
+    name = f"milepost-test-{os.getpid()}"
+    good = {"name": "model.norm.weight", "dtype": "float32", "shape": [64]}
+    bad = {"name": "model.embed_tokens.weight", "dtype": "float32", "shape": [48, 32]}  # really [48, 64]
+    nbytes = wire.HEADER_BYTES + wire.offsets([good, bad])[1]
+    fd = wire.create_shm(name, nbytes)
+    buf = wire.map_fd(fd)
+    buf[wire.HEADER_BYTES:].fill_(0)  # zeros: loading them would change every output
+    wire.write_header(buf, 7, nbytes)
+    os.close(fd)
+    try:
+        client.begin_weight_update()
+        client.update_weights_from_tensor([wire.encode_shm_descriptor(name, nbytes, 7, [good])])  # staged
+        with pytest.raises(EngineError) as err:
+            client.update_weights_from_tensor([wire.encode_shm_descriptor(name, nbytes, 7, [good, bad])])
+        assert err.value.status == 400 and "model.embed_tokens.weight" in err.value.message
+        client.update_weight_version("bad")
+        with pytest.raises(EngineError) as err:  # the session failed: nothing is committed
+            client.end_weight_update()
+        assert "discarded" in err.value.message
+    finally:
+        os.unlink(wire.shm_path(name))
+    assert client.model_info()["weight_version"] == "0"
+    assert _outputs([client]) == reference["v0"][:1]
+
+
+class HalfBrokenTensorTransport(TensorTransport):
+    """Sends every bucket to the first engine, then a bucket the second refuses."""
+
+    def _send(self, pool, clients, backend, deadline):
+        nbytes = super()._send(pool, clients[:1], backend, deadline)
+        on_engines(pool, clients[1:], "update_weights_from_tensor",
+                   lambda c: c.update_weights_from_tensor(["bm90IGEgZGVzY3JpcHRvcg=="]), deadline)
+        return nbytes
+
+
+def test_a_refused_bucket_on_one_engine_leaves_every_engine_on_the_old_version(engines, backend, models,
+                                                                              reference):
+    clients = [c for _, c in engines]
+    _load_disk(clients, models[0], "0")
+    transport = HalfBrokenTensorTransport(timeout_s=30, num_attempts=2)
+    try:
+        with pytest.raises(WeightSyncError) as err:
+            transport.push(clients, "", "5", backend=backend)
+    finally:
+        transport.close()
+    assert clients[1].base_url in str(err.value) and "2 attempt(s)" in str(err.value)  # refused: retried
+    assert [c.model_info()["weight_version"] for c in clients] == ["0", "0"]
+    assert _outputs(clients) == reference["v0"]
