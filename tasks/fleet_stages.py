@@ -17,6 +17,8 @@ from milepost.tasks.context import StageContext
 def rollout(ctx: StageContext) -> dict[str, Any]:
     from milepost.core.engine.fleet import Fleet
     from milepost.core.evaluate import record_base_eval
+    from milepost.core.placement import placement_for
+    from milepost.core.train.torch_backend import RANK_NUM_CPUS
 
     ctx.connect()
     latest = ctx.checkpoints.latest_valid()
@@ -28,7 +30,8 @@ def rollout(ctx: StageContext) -> dict[str, Any]:
     # Locally every server binds 127.0.0.1; on a cluster, its node's IP (host=None).
     host = "127.0.0.1" if ctx.recipe.cluster.executor == "local" else None
     fleet = Fleet.start(serve_path, ctx.recipe.rollout.num_engines, ctx.recipe.rollout, version, host,
-                        log_dir=str(log_dir), detached=True, on_change=ctx.write_fleet)
+                        log_dir=str(log_dir), detached=True, on_change=ctx.write_fleet,
+                        placement=placement_for(ctx.recipe, RANK_NUM_CPUS))
     try:
         unhealthy = [url for url, ok in fleet.health_check().items() if not ok]
         if unhealthy:

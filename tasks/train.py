@@ -54,7 +54,8 @@ def _train(ctx: StageContext, fleet: Any, tokenizer: Any, start_path: str) -> di
     recipe, store, block, last_step = ctx.recipe, ctx.store, ctx.block, ctx.last_step()
     backend = create_backend(start_path, recipe.train, recipe.algo,
                              temperature=recipe.rollout.temperature, seed=recipe.seed,
-                             total_steps=recipe.campaign.num_blocks * recipe.campaign.steps_per_block)
+                             total_steps=recipe.campaign.num_blocks * recipe.campaign.steps_per_block,
+                             placement_group=fleet.placement_group)
     try:
         state = _restore(ctx, backend)
         rows = load_rows(recipe.data.train_path, recipe.data.prompt_key, recipe.data.label_key,

@@ -30,6 +30,7 @@ from milepost.core.engine.client import EngineClient
 from milepost.core.engine.retrying import RetryingClient
 from milepost.core.engine.router import Router
 from milepost.core.engine.supervisor import FleetError, FleetSupervisor, Slot
+from milepost.core.placement import Placement, actor_strategy, ensure_group, find_group
 
 if TYPE_CHECKING:  # the fleet does not depend on which transports exist
     from milepost.core.weight_sync.base import WeightTransport
@@ -85,16 +86,22 @@ class Fleet:
         self.router_url: str | None = None
         self.router_client: Any = None
         self.supervisor = FleetSupervisor(self, cfg)
+        self.placement_group: Any = None  # core/placement.py: engine i runs on engine_bundles[i]
+        self.engine_bundles: list[int] | None = None
 
     @classmethod
     def start(cls, model_path: str, num_engines: int, cfg: RolloutConfig, weight_version: str = "0",
               host: str | None = "127.0.0.1", *, load_delay_s: float = 0.0, log_dir: str | None = None,
-              detached: bool = False, on_change: Callable[[dict[str, Any]], None] | None = None) -> "Fleet":
+              detached: bool = False, on_change: Callable[[dict[str, Any]], None] | None = None,
+              placement: Placement | None = None) -> "Fleet":
         """Launch the engines, wait until each is healthy, start the router in front.
         `host` None: each engine and the router bind their node's IP (multi-node clusters).
         `load_delay_s` (tests only) makes every engine's cold start that much slower."""
         fleet = cls(model_path, weight_version, cfg, host, log_dir, detached, on_change)
         fleet.supervisor.load_delay_s = load_delay_s
+        if placement is not None:
+            fleet.placement_group = ensure_group(placement)
+            fleet.engine_bundles = [placement.engine_bundle(i) for i in range(num_engines)]
         fleet.clients = [None] * num_engines  # type: ignore[list-item]  # filled by admission
         fleet.engine_urls, fleet.actors = [""] * num_engines, [None] * num_engines
         try:
@@ -117,6 +124,8 @@ class Fleet:
         namespace. An engine whose actor is gone is replaced at the supervisor's first check."""
         path, version = doc["served"]
         fleet = cls(path, str(version), cfg, doc.get("host"), doc["log_dir"], True, on_change)
+        if doc.get("engine_bundles") is not None:
+            fleet.placement_group, fleet.engine_bundles = find_group(), list(doc["engine_bundles"])
         slots = [fleet._adopted_slot(e, path, str(version)) for e in doc["engines"]]
         fleet.clients = [s.client for s in slots]
         fleet.engine_urls, fleet.actors = [s.url for s in slots], [s.actor for s in slots]
@@ -164,6 +173,12 @@ class Fleet:
         import uuid
         return {"name": f"{name}-{uuid.uuid4().hex[:8]}", "lifetime": "detached"}
 
+    def engine_placement(self, index: int) -> dict[str, Any]:
+        """Ray options putting engine `index` on its placement-group bundle (none without one)."""
+        if self.engine_bundles is None:
+            return {}
+        return actor_strategy(self.placement_group, self.engine_bundles[index])
+
     def describe(self) -> dict[str, Any]:
         """What finds this (detached) fleet again: actor names, URLs, pids, served weights."""
         with self.lock:
@@ -173,7 +188,7 @@ class Fleet:
                       "url": self.router_url, "pid": self.router_pid,
                       "log_path": self.router.log_path if self.router else None}
             return {"engines": engines, "router": router, "served": list(self.served),
-                    "log_dir": self.log_dir, "host": self.host}
+                    "log_dir": self.log_dir, "host": self.host, "engine_bundles": self.engine_bundles}
 
     def _changed(self) -> None:
         if self.on_change is not None:

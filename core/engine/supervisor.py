@@ -285,7 +285,7 @@ class FleetSupervisor:
 
     def _launch_remote(self, index: int, generation: int) -> tuple[int, int, Any, str, Any, str]:
         log_path = f"{self.fleet.log_dir}/engine-{index}.{generation}.log"
-        options = self.fleet.actor_options(f"engine-{index}.{generation}")
+        options = {**self.fleet.actor_options(f"engine-{index}.{generation}"), **self.fleet.engine_placement(index)}
         actor = EngineActor.options(**options).remote(log_path)
         path, version = self.fleet.base_model_path, self.fleet.base_weight_version
         ref = actor.launch.remote(path, version, self.cfg.max_batch_size, self.fleet.host, self.load_delay_s)

@@ -35,6 +35,7 @@ from milepost.core.config import AlgoConfig, TrainConfig
 from milepost.core.train.batch import (collate, count_loss_tokens, num_micro_batches,
                                        padding_sample, shard_by_rank, split_micro_batches)
 from milepost.core.train.logprobs import response_logprobs, response_logprobs_and_entropy
+from milepost.core.placement import actor_strategy
 from milepost.core.types import Sample
 
 RANK_NUM_CPUS = 0.25  # logical CPUs a rank actor reserves (threads: train_cfg.num_threads_per_rank)
@@ -233,10 +234,12 @@ class TorchBackend:
 
     @classmethod
     def create(cls, model_path: str, train_cfg: TrainConfig, algo_cfg: AlgoConfig, temperature: float,
-               seed: int, total_steps: int | None = None) -> "TorchBackend":
+               seed: int, total_steps: int | None = None, placement_group: Any = None) -> "TorchBackend":
+        """`placement_group` (core/placement.py): rank r runs on its bundle r."""
         world = train_cfg.num_ranks
         actor_cls = ray.remote(num_cpus=RANK_NUM_CPUS)(RankWorker)
-        actors = [actor_cls.remote(r, world, model_path, train_cfg, algo_cfg, temperature, seed, total_steps)
+        actors = [actor_cls.options(**actor_strategy(placement_group, r)).remote(
+                      r, world, model_path, train_cfg, algo_cfg, temperature, seed, total_steps)
                   for r in range(world)]
         backend = cls(actors, train_cfg)
         try:

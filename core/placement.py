@@ -1,0 +1,86 @@
+"""Where the trainer ranks and the engines run on the block's Ray cluster (`cluster.placement`).
+
+One detached placement group per block cluster, created by the rollout stage (the first to
+need it) and found by name by the train stage and by engine restarts:
+
+- `colocated`: one bundle per device slot, max(trainer ranks, engines) of them; trainer rank
+  r and engine e share bundle r and e (devices are shared; engines sleep while the trainer
+  runs, see FleetTransport.asleep).
+- `disaggregated`: the trainer's bundles first, then the engines' own; nothing is shared,
+  so rollout and training overlap freely (async, loop.max_staleness > 0).
+
+Strategy PACK: bundles fill one node before the next, so a block's trainer ranks stay
+together (their collectives are the heaviest traffic). The group dies with the block's Ray
+cluster (teardown); nothing else removes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, get_placement_group, placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+GROUP_NAME = "milepost-placement"  # unique: every block has its own Ray cluster and namespace
+ENGINE_CPUS = 0.5  # what an engine actor reserves (core/engine/actor.py)
+
+
+@dataclass(frozen=True)
+class Placement:
+    mode: str  # "colocated" | "disaggregated"
+    num_ranks: int
+    num_engines: int
+    rank_cpus: float
+
+    def bundles(self) -> list[dict[str, float]]:
+        """Logical CPUs only for now: GPU bundles come with an engine that uses GPUs
+        (SGLang); the built-in engine and the CPU trainer ask for none."""
+        if self.mode == "colocated":
+            return [{"CPU": self.rank_cpus + ENGINE_CPUS} for _ in range(max(self.num_ranks, self.num_engines))]
+        return ([{"CPU": self.rank_cpus} for _ in range(self.num_ranks)]
+                + [{"CPU": ENGINE_CPUS} for _ in range(self.num_engines)])
+
+    def rank_bundle(self, rank: int) -> int:
+        return rank
+
+    def engine_bundle(self, index: int) -> int:
+        if self.mode == "colocated":
+            return index % max(self.num_ranks, self.num_engines)
+        return self.num_ranks + index
+
+
+def placement_for(recipe: Any, rank_cpus: float) -> Placement:
+    """The block's placement from the recipe (cluster.placement, train.num_ranks, engines)."""
+    return Placement(recipe.cluster.placement, recipe.train.num_ranks, recipe.rollout.num_engines, rank_cpus)
+
+
+def ensure_group(placement: Placement, timeout_s: float = 300.0) -> PlacementGroup:
+    """The block's placement group: found by name, or created (detached) and waited for."""
+    try:
+        return get_placement_group(GROUP_NAME)
+    except ValueError:  # not created yet on this cluster
+        pass
+    group = placement_group(placement.bundles(), strategy="PACK", name=GROUP_NAME, lifetime="detached")
+    if not group.wait(timeout_s):
+        ray.util.remove_placement_group(group)
+        raise RuntimeError(f"the block's Ray cluster cannot hold placement {placement.mode} "
+                           f"({placement.bundles()}) within {timeout_s:.0f}s; available: "
+                           f"{ray.available_resources()}. Fewer ranks/engines, or more nodes.")
+    return group
+
+
+def find_group() -> PlacementGroup | None:
+    try:
+        return get_placement_group(GROUP_NAME)
+    except ValueError:
+        return None
+
+
+def actor_strategy(group: PlacementGroup | None, bundle: int) -> dict[str, Any]:
+    """Ray actor options putting an actor on `bundle` of `group` (none without a group)."""
+    if group is None:
+        return {}
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+        placement_group=group, placement_group_bundle_index=bundle)}

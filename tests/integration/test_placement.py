@@ -1,0 +1,64 @@
+"""Placement on a real local Ray cluster: the fleet creates the block's placement group and
+the trainer ranks and engines land on the bundles `cluster.placement` gives them (read from
+Ray's per-bundle resources), and a layout the cluster cannot hold fails with a clear error."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+from ray.util.placement_group import remove_placement_group
+
+from milepost.core.config import AlgoConfig, RolloutConfig, TrainConfig
+from milepost.core.engine.fleet import Fleet
+from milepost.core.placement import ENGINE_CPUS, Placement, ensure_group, find_group
+from milepost.core.train.torch_backend import RANK_NUM_CPUS, TorchBackend
+
+from tinymodels import save_tiny_qwen2
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    path = save_tiny_qwen2(tmp_path_factory.mktemp("placement") / "m", 0)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield path
+    ray.shutdown()
+
+
+def _used_per_bundle(group_id: str, num_bundles: int) -> list[float]:
+    """Logical CPUs taken in each bundle of the group (Ray names them CPU_group_<i>_<id>)."""
+    total, free = ray.cluster_resources(), ray.available_resources()
+    return [round(total[f"CPU_group_{i}_{group_id}"] - free.get(f"CPU_group_{i}_{group_id}", 0.0), 3)
+            for i in range(num_bundles)]
+
+
+@pytest.mark.parametrize("mode, expected", [
+    # 2 ranks + 1 engine. colocated: rank 0 and the engine share bundle 0, rank 1 has bundle 1.
+    ("colocated", [RANK_NUM_CPUS + ENGINE_CPUS, RANK_NUM_CPUS]),
+    # disaggregated: each rank its own bundle, the engine the third.
+    ("disaggregated", [RANK_NUM_CPUS, RANK_NUM_CPUS, ENGINE_CPUS]),
+])
+def test_ranks_and_engines_land_on_their_bundles(model, mode, expected) -> None:
+    placement = Placement(mode, num_ranks=2, num_engines=1, rank_cpus=RANK_NUM_CPUS)
+    fleet = Fleet.start(model, 1, RolloutConfig(engine_startup_timeout_s=90.0), placement=placement)
+    backend = None
+    try:
+        group = fleet.placement_group
+        assert find_group() is not None and find_group().id == group.id
+        backend = TorchBackend.create(model, TrainConfig(num_ranks=2, micro_batch_size=4), AlgoConfig(), 1.0,
+                                      seed=0, placement_group=group)
+        assert len(set(backend.rank_weights_sha256())) == 1  # both ranks answer, in step
+        assert _used_per_bundle(group.id.hex(), len(expected)) == [round(x, 3) for x in expected]
+        assert fleet.describe()["engine_bundles"] == [placement.engine_bundle(0)]
+    finally:
+        if backend is not None:
+            backend.shutdown()
+        fleet.stop()
+        remove_placement_group(fleet.placement_group)
+
+
+def test_a_placement_the_cluster_cannot_hold_is_refused_with_the_numbers(model) -> None:
+    too_many = Placement("disaggregated", num_ranks=2, num_engines=12, rank_cpus=RANK_NUM_CPUS)
+    with pytest.raises(RuntimeError, match="cannot hold placement disaggregated") as refused:
+        ensure_group(too_many, timeout_s=3)
+    assert "Fewer ranks/engines" in str(refused.value)
+    assert find_group() is None  # the infeasible group was removed, nothing left behind
