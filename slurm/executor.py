@@ -8,7 +8,9 @@ A task is a picklable Python callable with its arguments, or a command (a list o
 strings). Callables are pickled with cloudpickle into the executor's folder and run by
 `python -m submitit.core._submit` there, both on Slurm and locally, so a stage behaves the
 same under both. A task that must survive preemption or a timeout is a
-`CheckpointableStage` (see checkpointable.py): it is requeued and called again.
+`CheckpointableStage` (see checkpointable.py): it is requeued and called again. A command
+always is: the command runs again from its start, so it must be idempotent (every
+`python -m milepost.tasks.stage` command is: it resumes from the campaign store).
 """
 
 from __future__ import annotations
@@ -71,8 +73,9 @@ def as_function(task: Task, args: tuple[Any, ...]) -> Callable[..., Any]:
     if isinstance(task, (list, tuple)) and task and all(isinstance(a, str) for a in task):
         if args:
             raise ValueError(f"a command task takes no extra arguments; put them in the list: {list(task)}")
+        from milepost.slurm.checkpointable import requeueable
         # Returns the command's stdout; raises (job failed) on a non-zero exit status.
-        return submitit.helpers.CommandFunction(list(task), verbose=False)
+        return requeueable(submitit.helpers.CommandFunction(list(task), verbose=False))
     raise TypeError(f"a task is a callable or a non-empty list of strings (a command); got {task!r}")
 
 

@@ -18,6 +18,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -79,6 +80,8 @@ def run_stage(campaign_url: str, block: int, stage: str, show_progress: bool = F
     _die_with_driver()
     os.environ.setdefault("RAY_AUTH_MODE", "token")  # Ray's token auth: drivers must say so (FACTS.md)
     ctx = StageContext.open(campaign_url, block, show_progress=show_progress)
+    if ctx.recipe.cluster.executor == "slurm" and os.environ.get("SLURM_JOB_ID"):
+        _outlive_slurm_term()
     record = ctx.store.stage_record(block, stage)
     if record and record.get("state") == "done" and stage != "teardown":
         return record
@@ -93,6 +96,18 @@ def run_stage(campaign_url: str, block: int, stage: str, show_progress: bool = F
               **outputs}
     ctx.store.write_stage_record(block, stage, record)
     return record
+
+
+def _outlive_slurm_term() -> None:
+    """Under Slurm, SIGTERM reaches every process of the job step: it announces preemption
+    (the job's submitit process then requeues it on USR2), a cancel or the time limit, and
+    each ends in SIGKILL after KillWait. Dying at TERM would fail the job before submitit
+    can requeue it, so the stage keeps working until it is killed; its checkpoints make
+    that safe, and the requeued job resumes from them."""
+    def note(signum: int, frame: Any) -> None:
+        log.warning("SIGTERM from Slurm (preemption, cancel or time limit): working on until stopped")
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, note)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,9 @@
    both runs go to bench/results/slurm_overhead.txt.
 2. Cancelling a block's allocation stops its Ray processes, engine and router (by pid),
    and leaves another campaign's Ray cluster running.
-3. The node running the train stage is set DOWN mid-block: the block is torn down,
+3. The train stage's job is preempted the way submitit's `_interrupt()` does it (TERM, then
+   USR2): it is requeued under the same job id and resumes from its last checkpoint.
+4. The node running the train stage is set DOWN mid-block: the block is torn down,
    launched again once the node is back, and finishes from its last checkpoint with every
    step once and the reference's exact weights.
 """
@@ -230,3 +232,29 @@ def test_node_down_mid_train_resumes_from_the_last_checkpoint(dev_cluster, refer
     prompts = [i for r in rows for i in r["data/prompt_indices"]]
     assert len(set(prompts)) == len(prompts) == STEPS * 8, "a prompt was lost or trained on twice"
     assert _final(campaign) == _final(local), "resumed after the node loss, the block must end bitwise as the reference"
+
+
+def test_preempted_train_job_is_requeued_and_resumes_from_its_checkpoint(dev_cluster, reference, tmp_path):
+    (local, cache), log, campaign = reference, tmp_path / "runs.log", tmp_path / "slurm"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(_command(campaign, SLURM), cwd=ROOT, env={**os.environ, "MILEPOST_CACHE": str(cache)},
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        job, _ = _train_job_node(campaign, 3, proc, log)  # step 2's checkpoint is committed
+        # submitit's SlurmJob._interrupt(): what Slurm sends on preemption
+        subprocess.run(["scancel", job, "--signal", "SIGTERM"], check=True)
+        subprocess.run(["scancel", job, "--signal", "USR2"], check=True)
+        assert proc.wait(900) == 0, log.read_text()[-5000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    rows = subprocess.run(["sacct", "-X", "-n", "-P", "--duplicates", "-o", "JobIDRaw,State", "-j", job],
+                          capture_output=True, text=True, check=True).stdout.split()
+    assert f"{job}|REQUEUED" in rows and f"{job}|COMPLETED" in rows, rows
+    assert _record(campaign, "train")["slurm_job_id"] == job, "the same job must have resumed, not a new one"
+    assert "launching it again" not in log.read_text(), "preemption must requeue the stage, not relaunch the block"
+    metrics = _metrics(campaign)
+    assert [r["step"] for r in metrics] == list(range(1, STEPS + 1))
+    prompts = [i for r in metrics for i in r["data/prompt_indices"]]
+    assert len(set(prompts)) == len(prompts) == STEPS * 8, "a prompt was lost or trained on twice"
+    assert _final(campaign) == _final(local), "resumed after preemption, the block must end bitwise as the reference"
