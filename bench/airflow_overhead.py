@@ -37,7 +37,7 @@ def overrides(steps: int) -> list[str]:
     return ["campaign.num_blocks=1", f"campaign.steps_per_block={steps}", "checkpoint.every_steps=2",
             "rollout.prompts_per_step=8", "rollout.num_samples_per_prompt=4", "model.tiny.warmstart_steps=60",
             "eval.num_prompts=32", f"data.num_train_rows={steps * 8}", "filters.drop_zero_variance_groups=false",
-            "cluster.slurm.time_min=30"]
+            "cluster.slurm.time_min=10"]  # short limits let Slurm backfill the small stage jobs
 
 
 def stage_seconds(campaign: Path) -> dict[str, float]:
@@ -48,12 +48,24 @@ def stage_seconds(campaign: Path) -> dict[str, float]:
     return out
 
 
-def summary(mode: str, wall: float, stages: dict[str, float]) -> str:
+def latencies(campaign: Path) -> str:
+    """From blocks/0/timings.json: job start-up (submitted → stage started) and the wait seen
+    by the orchestrator after a stage finished (finished → its task/driver saw it), summed."""
+    path = campaign / "blocks/000000/timings.json"
+    if not path.exists():
+        return ""
+    t = json.loads(path.read_text())["stages"].values()
+    start = sum(x["started_at"] - x["submitted_at"] for x in t)
+    seen = sum(x["returned_at"] - x["finished_at"] for x in t)
+    return f"  (job start-up {start:.1f}s, end→seen {seen:.1f}s)"
+
+
+def summary(mode: str, wall: float, stages: dict[str, float], campaign: Path) -> str:
     inside = sum(stages.values())
     rl = sum(stages[s] for s in RL)
     parts = " ".join(f"{s}={stages[s]:.1f}" for s in STAGES)
     return (f"{mode:<17} wall {wall:6.1f}s  in stages {inside:6.1f}s  overhead {wall - inside:5.1f}s  "
-            f"not rollout/train/eval {wall - rl:6.1f}s   [{parts}]")
+            f"not rollout/train/eval {wall - rl:6.1f}s   [{parts}]{latencies(campaign)}")
 
 
 def run_direct(work: Path, steps: int, env: dict[str, str]) -> str:
@@ -65,7 +77,7 @@ def run_direct(work: Path, steps: int, env: dict[str, str]) -> str:
     out = subprocess.run([sys.executable, "-c", code, str(work / "direct"), *overrides(steps)], cwd=ROOT, env=env,
                          capture_output=True, text=True, check=True, timeout=1800).stdout
     wall = float(next(l for l in out.splitlines() if l.startswith("WALL")).split()[1])
-    return summary("direct", wall, stage_seconds(work / "direct"))
+    return summary("direct", wall, stage_seconds(work / "direct"), work / "direct")
 
 
 def run_embedded(work: Path, steps: int, env: dict[str, str]) -> str:
@@ -77,7 +89,7 @@ def run_embedded(work: Path, steps: int, env: dict[str, str]) -> str:
                    capture_output=True)
     total = time.time() - started
     run = json.loads((campaign / "blocks/000000/dag_run.json").read_text())
-    line = summary("embedded", run["ended_at"] - run["started_at"], stage_seconds(campaign))
+    line = summary("embedded", run["ended_at"] - run["started_at"], stage_seconds(campaign), campaign)
     return f"{line}\n{'':<17} (whole `milepost run` {total:.1f}s: + validation, Airflow start-up and db migrate)"
 
 
@@ -101,7 +113,7 @@ def run_standalone(url: str, work: Path, steps: int, executor: str) -> str:
         time.sleep(2)
     assert run["state"] == "success", run
     wall = (datetime.fromisoformat(run["end_date"]) - datetime.fromisoformat(run["start_date"])).total_seconds()
-    return summary(f"standalone-{executor}", wall, stage_seconds(campaign))
+    return summary(f"standalone-{executor}", wall, stage_seconds(campaign), campaign)
 
 
 def main() -> None:

@@ -151,15 +151,16 @@ class StageOperator(BaseOperator):
         self.defer(trigger=StageJobTrigger(url, block, self.stage, executor.name, job.job_id, submitted_at,
                                            pid_created_at=_created_at(job.job_id) if executor.name == "local"
                                            else None, poll_interval_s=self.poll_interval_s,
-                                           lease_owner=None if self.stage == "teardown" else owner),
-                   method_name="execute_complete",
-                   kwargs={"stderr_path": str(job.stderr_path), "submitted_at": submitted_at})
+                                           lease_owner=None if self.stage == "teardown" else owner,
+                                           stderr_path=str(job.stderr_path)),
+                   method_name="execute_complete")
         return None  # not reached: defer() raises
 
     @staticmethod
     def _executor(recipe: Any, store: Any) -> Any:
         """Like tasks.block.build_executor, but a local stage must outlive this task process
-        (it exits when the task defers): no driver pid is passed to the stage."""
+        (it exits when the task defers): under a scheduler no driver pid is passed to the
+        stage; embedded, the stage dies with `milepost run` (as under BlockRunner)."""
         from pathlib import Path
 
         if embedded() and recipe.cluster.executor == "local":
@@ -173,14 +174,14 @@ class StageOperator(BaseOperator):
         from milepost.slurm.local import LocalExecutor
         return LocalExecutor(root)
 
-    def execute_complete(self, context: Any, event: dict[str, Any], stderr_path: str = "",
-                         submitted_at: float | None = None) -> dict[str, Any]:
+    def execute_complete(self, context: Any, event: dict[str, Any], stderr_path: str = "") -> dict[str, Any]:
+        stderr_path = event.get("stderr_path") or stderr_path
         if event.get("status") != "done":
             raise StageFailedError(f"block {event.get('block')} stage {event.get('stage')}: {event.get('detail')}; "
                                    f"stage log: {stderr_path or 'see the job folder under <campaign>/jobs'}")
         self.log.info("block %s %s: %s", event["block"], event["stage"], event.get("detail"))
-        if submitted_at is not None:
-            _record_timing(event, submitted_at)
+        if event.get("submitted_at") is not None:
+            _record_timing(event, float(event["submitted_at"]))
         if self.stage == "teardown" and not embedded():
             from milepost.core.store import CampaignStore
             from milepost.tasks import lease

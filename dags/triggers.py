@@ -38,7 +38,8 @@ class StageJobTrigger(BaseTrigger):
 
     def __init__(self, campaign_url: str, block: int, stage: str, executor: str, job_id: str,
                  submitted_at: float, pid_created_at: float | None = None,
-                 poll_interval_s: float = 5.0, lease_owner: str | None = None, **kwargs: Any) -> None:
+                 poll_interval_s: float = 5.0, lease_owner: str | None = None, stderr_path: str = "",
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if executor not in ("local", "slurm"):
             raise ValueError(f"executor must be `local` or `slurm`, got {executor!r}")
@@ -51,6 +52,7 @@ class StageJobTrigger(BaseTrigger):
         self.pid_created_at = pid_created_at
         self.poll_interval_s = float(poll_interval_s)
         self.lease_owner = lease_owner
+        self.stderr_path = stderr_path  # echoed in the event: dag.test() drops the deferral's own kwargs
         self._renewed_at = time.monotonic()
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
@@ -58,7 +60,7 @@ class StageJobTrigger(BaseTrigger):
             "campaign_url": self.campaign_url, "block": self.block, "stage": self.stage,
             "executor": self.executor, "job_id": self.job_id, "submitted_at": self.submitted_at,
             "pid_created_at": self.pid_created_at, "poll_interval_s": self.poll_interval_s,
-            "lease_owner": self.lease_owner})
+            "lease_owner": self.lease_owner, "stderr_path": self.stderr_path})
 
     # --- the store (blocking: called through asyncio.to_thread) ------------------------------
     def _record(self) -> dict[str, Any]:
@@ -74,7 +76,8 @@ class StageJobTrigger(BaseTrigger):
     def _event(self, status: str, detail: str, record: dict[str, Any], **extra: Any) -> TriggerEvent:
         return TriggerEvent({"status": status, "campaign_url": self.campaign_url, "block": self.block,
                              "stage": self.stage, "executor": self.executor, "job_id": self.job_id,
-                             "record_state": record.get("state"), "detail": detail, **extra})
+                             "record_state": record.get("state"), "detail": detail,
+                             "submitted_at": self.submitted_at, "stderr_path": self.stderr_path, **extra})
 
     def _renew_lease(self) -> str | None:
         """Keep the run's campaign lease while its stage runs (a stage may run for hours); the

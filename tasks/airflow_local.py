@@ -40,7 +40,7 @@ def dags_folder() -> Path:
 
 
 def embedded_home(store: CampaignStore) -> Path:
-    return Path(store.local_path("airflow"))
+    return Path(store.local_path("airflow")).resolve()
 
 
 def block_log(store: CampaignStore, block: int) -> Path:
@@ -61,7 +61,7 @@ def embedded_env(store: CampaignStore, dag_id: str, driver_pid: int, lease_owner
     (home / "logs").mkdir(parents=True, exist_ok=True)
     listing = home / "campaigns.yaml"
     listing.write_text(yaml.safe_dump([{
-        "recipe": store.local_path("campaign.yaml"), "campaign_url": store.url if "://" in store.url
+        "recipe": os.path.abspath(store.local_path("campaign.yaml")), "campaign_url": store.url if "://" in store.url
         else os.path.abspath(store.url), "dag_id": dag_id, "tags": ["embedded"],
         "poll_interval_s": EMBEDDED_POLL_S, "retry_delay_s": EMBEDDED_RETRY_DELAY_S}]))
     from milepost.dags.names import (

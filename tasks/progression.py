@@ -144,7 +144,7 @@ def _decide(store: CampaignStore, recipe: Recipe, block: int, verdict: dict[str,
                         f"the best block {verdict['best_block']} ({verdict['best_accuracy']:.3f}). Resume it (`milepost run --resume`, or trigger the DAG "
                         f"with resume=true) to run the next block from block {verdict['best_block']}'s checkpoint.")
     if following is None:
-        return Decision("done", block, None, f"campaign complete: {recipe.campaign.num_blocks} blocks")
+        return Decision("done", block, None, f"campaign complete: {recipe.campaign.num_blocks} block(s)")
     if progress["stop_requested"]:
         return Decision("stopped", block, following, f"stop requested ({progress['stop_requested'].get('by')}): "
                         f"block {following} was not started; resume to continue")

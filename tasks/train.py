@@ -92,6 +92,7 @@ def _train(ctx: StageContext, fleet: Any, tokenizer: Any, start_path: str) -> di
                       decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                       state=state, on_metrics=on_metrics,
                       engines_asleep=transport.asleep if colocated else None)
+        _serve_checkpoint(fleet, transport, start_path, state.policy_version, backend)
         loop.run_until(last_step)
         bar.close()
         fleet.raise_if_failed()
@@ -100,3 +101,15 @@ def _train(ctx: StageContext, fleet: Any, tokenizer: Any, start_path: str) -> di
                 "engine_restarts": fleet.restart_events()}
     finally:
         backend.shutdown()
+
+
+def _serve_checkpoint(fleet: Any, transport: Any, path: str, version: int, backend: Any) -> None:
+    """Before this stage's first rollout, the engines serve exactly the weights it resumes from.
+    A retried train stage needs it (Airflow retries the task when its job dies; the fleet of
+    the rollout stage lives on): the killed attempt may have pushed weights newer than its last
+    checkpoint, or died with the engines asleep (colocated). Resuming memory is a no-op on an
+    awake engine; the push costs one weight sync per train stage."""
+    with fleet.weight_push() as live:
+        for client in live:
+            client.resume_memory_occupation(["weights", "kv_cache"], timeout_s=120.0)
+    transport.push(fleet.clients, path, str(version), backend=backend)

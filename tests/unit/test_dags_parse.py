@@ -283,3 +283,20 @@ def test_operator_fails_with_the_stage_log_on_a_failed_event() -> None:
         _operator("train").execute_complete({}, event, stderr_path="/l")
     assert _operator("train").execute_complete({}, {**event, "status": "done"}) == {
         "campaign_url": "/c", "block": 1, "stage": "train", "job_id": "9"}
+
+
+def test_operator_records_stage_timings_from_the_event(tmp_path: Path) -> None:
+    """The trigger's event carries submitted_at and the job log (dag.test() keeps only the
+    event when it resumes a deferred task), and the operator writes blocks/N/timings.json."""
+    from milepost.core.store import CampaignStore
+
+    store = CampaignStore(str(tmp_path))
+    store.write_stage_record(0, "train", {"state": "done", "started_at": 100.0, "finished_at": 160.0})
+    event = {"status": "done", "campaign_url": str(tmp_path), "block": 0, "stage": "train", "job_id": "7",
+             "executor": "local", "submitted_at": 95.0, "stderr_path": "/l"}
+    _operator("train").execute_complete({}, event)
+    stages = store.read_json("blocks/000000/timings.json")["stages"]
+    assert stages["train"]["job_id"] == "7" and stages["train"]["submitted_at"] == 95.0
+    assert stages["train"]["started_at"] == 100.0 and stages["train"]["returned_at"] >= 160.0
+    with pytest.raises(Exception, match="stage log: /l"):
+        _operator("train").execute_complete({}, {**event, "status": "failed", "detail": "x"})
