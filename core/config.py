@@ -130,10 +130,11 @@ class MegatronConfig(Section):
     pipeline_parallel: int = Field(1, ge=1)
     virtual_pipeline: int | None = Field(
         None, ge=2, description="Model chunks per pipeline rank (interleaved schedule); null: off.")
-    context_parallel: int = Field(1, ge=1)
-    expert_parallel: int = Field(1, ge=1, description="MoE experts split over this many ranks.")
+    context_parallel: int = Field(1, ge=1, description="Only 1 for now: needs Transformer Engine attention.")
+    expert_parallel: int = Field(1, ge=1, description="MoE experts split over this many ranks (export and weight "
+                                                      "sync need 1 for now).")
     expert_tensor_parallel: int | None = Field(None, ge=1, description="TP inside experts; null: tensor_parallel.")
-    sequence_parallel: bool = Field(False, description="GPU only (with tensor_parallel > 1).")
+    sequence_parallel: bool = Field(False, description="Needs Transformer Engine layers (not used yet): keep false.")
     distributed_optimizer: bool = Field(False, description="Shard optimizer state over data-parallel ranks (GPU only).")
     recompute: Literal["none", "selective", "full"] = "none"
     pack_sequences: bool = Field(True, description="Pack micro-batch samples into one sequence (THD).")

@@ -10,10 +10,11 @@ from milepost.core.config import AlgoConfig, TrainConfig
 def create_backend(model_path: str, train_cfg: TrainConfig, algo_cfg: AlgoConfig, temperature: float, seed: int,
                    total_steps: int | None = None, placement_group: Any = None) -> Any:
     """A started TrainBackend: TorchBackend for "torch", MegatronBackend for "megatron".
-    `placement_group` (core/placement.py) places the torch backend's ranks on their bundles."""
+    `placement_group` (core/placement.py) places the ranks on their bundles."""
     if train_cfg.backend == "megatron":
         from milepost.core.train.megatron.backend import MegatronBackend
-        return MegatronBackend.create(model_path, train_cfg, algo_cfg, temperature, seed, total_steps)
+        return MegatronBackend.create(model_path, train_cfg, algo_cfg, temperature, seed, total_steps,
+                                      placement_group=placement_group)
     if train_cfg.backend == "torch":
         from milepost.core.train.torch_backend import TorchBackend
         return TorchBackend.create(model_path, train_cfg, algo_cfg, temperature, seed, total_steps,

@@ -16,8 +16,6 @@ import random
 import pytest
 import ray
 import torch
-from safetensors.torch import load_file
-
 from milepost.core.config import AlgoConfig, TrainConfig
 from milepost.core.model.loading import load_causal_lm
 from milepost.core.train.backend import TrainBackend
@@ -25,17 +23,18 @@ from milepost.core.train.batch import collate
 from milepost.core.train.factory import create_backend
 from milepost.core.train.logprobs import response_logprobs
 from milepost.core.types import Sample
+from safetensors.torch import load_file
 
 VOCAB = 31  # padded to 128 inside megatron: export must drop the padding
 TEMPERATURE = 0.7
 LR = 1e-3
-# Weights after a step: Adam's first step is ~lr * sign(g), so an element whose gradient is
-# rounding noise (~1e-9) can move differently under two kernel orders. Measured: 1-2 elements
-# of 4096 differ by 1e-6..2.3e-6 between backends / TP sizes; a lost optimizer state or a
-# wrong shard moves whole tensors by ~lr (measured 1.7e-3 when Adam's moments were not
-# restored). After a second step, Adam's small second moments amplify that noise (measured
-# up to 1.8e-5 on one element), so step 2 is held to 1e-4, still 17x below the failure size.
-WEIGHT_ATOL = {1: 1e-5, 2: 1e-4}
+# Comparing weights after Adam steps: Adam's first update is lr * g / (|g| + eps), so an
+# element whose gradient is near eps (1e-8) moves by a fraction of lr that rounding noise in g
+# changes (measured: 1-2 elements of 4096 differ by up to 1.8e-5 between backends / TP sizes /
+# micro-batch layouts). A lost optimizer state or a wrong shard moves whole tensors by ~lr
+# (measured 1.7e-3 when Adam's moments were not restored). So: every element within lr / 10,
+# and 99.9 % of the elements within 1e-6.
+MAX_ATOL, BULK_ATOL, BULK_FRACTION = LR / 10, 1e-6, 0.999
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +85,25 @@ def create(path: str, cfg: TrainConfig):
     return create_backend(path, cfg, AlgoConfig(), TEMPERATURE, seed=7, total_steps=10)
 
 
+def read_shm_buckets(backend) -> dict:
+    """Every tensor the `tensor` weight transport would send, read back from its /dev/shm
+    buckets (small buckets, so tensors of one megatron tensor land in different buckets)."""
+    import os
+
+    from milepost.core.weight_sync import wire
+    got = {}
+    for i, bucket in enumerate(backend.weight_buckets(0.02)):
+        desc = wire.decode_shm_descriptor(backend.named_tensors_to_shm([s["name"] for s in bucket], i, 0))
+        fd = os.open(wire.shm_path(desc["shm_name"]), os.O_RDWR)
+        try:
+            buf = wire.map_fd(fd)
+            got.update({t["name"]: wire.view(buf, t["offset"], t).clone() for t in desc["tensors"]})
+        finally:
+            os.close(fd)
+    backend.release_weight_buffers()
+    return got
+
+
 @pytest.fixture(scope="module")
 def runs(ray_cluster, model_path, tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("megatron_runs")
@@ -93,6 +111,7 @@ def runs(ray_cluster, model_path, tmp_path_factory) -> dict:
     torch_backend = create(model_path, TrainConfig(num_ranks=1, micro_batch_size=4, lr=LR, lr_schedule="linear",
                                                    warmup_steps=1))
     try:
+        out["torch_sha0"] = torch_backend.weights_sha256()
         out["torch_step1"] = torch_backend.train_step(S1, step=1)
         out["torch_w1"] = torch_backend.state_dict()
     finally:
@@ -102,16 +121,29 @@ def runs(ray_cluster, model_path, tmp_path_factory) -> dict:
         b = create(model_path, megatron_cfg(tp, pack))
         try:
             assert isinstance(b, TrainBackend)
+            out[f"tp{tp}_sha0"] = b.weights_sha256()
             out[f"tp{tp}_logprobs"] = b.logprobs(S1)
             b.export_hf(str(tmp / f"export_tp{tp}"))
             out[f"tp{tp}_export"] = str(tmp / f"export_tp{tp}")
             out[f"tp{tp}_step1"] = b.train_step(S1, step=1)
             out[f"tp{tp}_w1"] = b.state_dict()
+            if tp == 2:
+                out["tp2_shm_w1"] = read_shm_buckets(b)
             b.save_state(str(tmp / f"ckpt_tp{tp}"))
             out[f"tp{tp}_step2"] = b.train_step(S2, step=2)
             out[f"tp{tp}_w2"] = b.state_dict()
         finally:
             b.shutdown()
+    b = create(model_path, TrainConfig(backend="megatron", num_ranks=2, micro_batch_size=3, lr=LR, lr_schedule="linear",
+                                       warmup_steps=1, megatron={"pipeline_parallel": 2, "micro_batch_tokens": 40}))
+    try:  # two pipeline stages: the schedule's p2p path, the tied embedding on both ends, export per stage
+        out["pp2_sha0"] = b.weights_sha256()
+        out["pp2_step1"] = b.train_step(S1, step=1)
+        out["pp2_w1"] = b.state_dict()
+        b.export_hf(str(tmp / "export_pp2"))
+        out["pp2_export"] = str(tmp / "export_pp2")
+    finally:
+        b.shutdown()
     for tp, ckpt_tp in ((1, 2), (2, 1)):
         b = create(model_path, megatron_cfg(tp))
         try:
@@ -123,16 +155,19 @@ def runs(ray_cluster, model_path, tmp_path_factory) -> dict:
     return out
 
 
-def assert_weights_close(a: dict, b: dict, atol: float) -> None:
-    """Every weight within atol, except k_proj biases: their gradient is exactly zero in exact
-    arithmetic (a constant added to every key shifts all scores of a query equally), so
-    Adam's first step moves them by ~lr * sign(rounding noise), which differs between any two
-    kernel orders; they are compared by their (tiny) gradient's effect on the loss instead."""
+def assert_weights_close(a: dict, b: dict) -> None:
+    """See MAX_ATOL (the bulk fraction is over all elements together). k_proj biases are
+    skipped: their gradient is exactly zero in exact arithmetic (a constant added to every
+    key shifts all scores of a query equally), so every element of them is the near-eps case."""
     assert set(a) == set(b)
+    total = off = 0
     for name in a:
         if name.endswith("k_proj.bias"):
             continue
-        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+        diff = (a[name] - b[name]).abs()
+        assert diff.max().item() <= MAX_ATOL, (name, diff.max().item())
+        total, off = total + diff.numel(), off + int((diff > BULK_ATOL).sum())
+    assert off <= (1 - BULK_FRACTION) * total, f"{off} of {total} weights differ by more than {BULK_ATOL}"
 
 
 def test_logprobs_match_hf_model(runs, model_path):
@@ -159,7 +194,7 @@ def test_first_step_matches_torch_backend(runs, model_path):
         assert got["train/grad_norm"] == pytest.approx(ref["train/grad_norm"], rel=1e-5)
         for key in ("loss/policy", "loss/entropy", "loss/tis_mean", "train/lr"):
             assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-6), key
-        assert_weights_close(runs[f"tp{tp}_w1"], runs["torch_w1"], atol=WEIGHT_ATOL[1])
+        assert_weights_close(runs[f"tp{tp}_w1"], runs["torch_w1"])
 
 
 def test_tp2_equals_tp1_over_two_steps(runs):
@@ -167,7 +202,23 @@ def test_tp2_equals_tp1_over_two_steps(runs):
         a, b = runs[f"tp1_step{step}"], runs[f"tp2_step{step}"]
         assert b["train/loss"] == pytest.approx(a["train/loss"], abs=1e-6)
         assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-5)
-        assert_weights_close(runs[f"tp2_w{step}"], runs[f"tp1_w{step}"], atol=WEIGHT_ATOL[step])
+        assert_weights_close(runs[f"tp2_w{step}"], runs[f"tp1_w{step}"])
+
+
+def test_weights_sha256_is_the_torch_backends(runs):
+    """Same weights, same digest (HF names, the tied lm_head included), so checkpoints
+    record comparable model_sha256 whichever backend trained."""
+    assert runs["tp1_sha0"] == runs["tp2_sha0"] == runs["pp2_sha0"] == runs["torch_sha0"]
+
+
+def test_pipeline_parallel_2_matches_torch_backend(runs):
+    got, ref = runs["pp2_step1"], runs["torch_step1"]
+    assert got["train/loss"] == pytest.approx(ref["train/loss"], abs=1e-6)
+    assert got["train/grad_norm"] == pytest.approx(ref["train/grad_norm"], rel=1e-5)
+    assert_weights_close(runs["pp2_w1"], runs["torch_w1"])
+    exported = load_causal_lm(runs["pp2_export"]).state_dict()  # two stage files + index
+    for name, t in runs["pp2_w1"].items():
+        assert torch.equal(exported[name], t), name
 
 
 def test_hf_megatron_hf_round_trip_is_bit_exact(runs, model_path):
@@ -180,6 +231,15 @@ def test_hf_megatron_hf_round_trip_is_bit_exact(runs, model_path):
         assert load_causal_lm(runs[f"tp{tp}_export"]) is not None  # a loadable HF folder
 
 
+def test_tensor_weight_sync_sends_gathered_hf_tensors(runs):
+    """TP=2: each bucket's tensors are gathered across the TP ranks and sent under HF names;
+    the tied lm_head travels once, as the embedding (as the torch backend sends it)."""
+    sent, trained = runs["tp2_shm_w1"], runs["tp2_w1"]
+    assert set(sent) == set(trained) - {"lm_head.weight"}
+    for name, t in sent.items():
+        assert torch.equal(t, trained[name]), name
+
+
 @pytest.mark.parametrize("ckpt_tp,tp", [(2, 1), (1, 2)])
 def test_dist_checkpoint_resumes_at_other_tp(runs, ckpt_tp, tp):
     resumed = runs[f"resume_tp{ckpt_tp}_at_tp{tp}_step2"]
@@ -188,6 +248,6 @@ def test_dist_checkpoint_resumes_at_other_tp(runs, ckpt_tp, tp):
     assert resumed["train/loss"] == pytest.approx(uninterrupted["train/loss"], abs=1e-6)
     assert resumed["train/grad_norm"] == pytest.approx(uninterrupted["train/grad_norm"], rel=1e-5)
     # the optimizer moments were restored too: a fresh Adam would move weights by ~lr, not ~1e-6
-    assert_weights_close(runs[f"resume_tp{ckpt_tp}_at_tp{tp}_w2"], runs[f"tp{ckpt_tp}_w2"], atol=WEIGHT_ATOL[2])
+    assert_weights_close(runs[f"resume_tp{ckpt_tp}_at_tp{tp}_w2"], runs[f"tp{ckpt_tp}_w2"])
     w1, w2 = runs[f"tp{ckpt_tp}_w1"], runs[f"tp{ckpt_tp}_w2"]
-    assert max((w2[k] - w1[k]).abs().max().item() for k in w1) > 10 * WEIGHT_ATOL[2]  # step 2 moved weights
+    assert max((w2[k] - w1[k]).abs().max().item() for k in w1) > 10 * BULK_ATOL  # step 2 moved weights

@@ -12,9 +12,12 @@ import tempfile
 
 import pytest
 import torch
-
 from milepost.core.train.megatron.converter import mapping_for, to_hf, to_megatron
-from milepost.core.train.megatron.model import ModelSpec, padded_vocab, spec_from_hf_config
+from milepost.core.train.megatron.model import (
+    ModelSpec,
+    padded_vocab,
+    spec_from_hf_config,
+)
 
 
 def spec(**kw) -> ModelSpec:
@@ -105,14 +108,15 @@ def test_unsupported_architecture_and_bad_tp_are_refused():
 def _check_architectures(port: int, queue: mp.Queue) -> None:
     """Child process: GPTModel from each HF architecture vs the HF model; export vs source."""
     import os
+
     import torch.distributed as dist
     import transformers as T
-    from safetensors.torch import load_file
     from megatron.core import parallel_state
     from milepost.core.config import MegatronConfig
     from milepost.core.train.megatron import cpu_compat
     from milepost.core.train.megatron.converter import iter_hf_tensors, load_hf_into
     from milepost.core.train.megatron.model import build_gpt_model, transformer_config
+    from safetensors.torch import load_file
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     common = dict(vocab_size=31, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

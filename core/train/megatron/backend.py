@@ -16,18 +16,20 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import ray
 import torch
-
 from milepost.core.config import AlgoConfig, TrainConfig
 from milepost.core.train.batch import count_loss_tokens, shard_by_rank
 from milepost.core.train.megatron.converter import write_index
 from milepost.core.train.megatron.worker import MegatronRankWorker
-from milepost.core.train.torch_backend import RANK_NUM_CPUS, TOKENIZER_FILES, state_sha256
+from milepost.core.train.torch_backend import (
+    RANK_NUM_CPUS,
+    TOKENIZER_FILES,
+    state_sha256,
+)
 from milepost.core.types import Sample
 
 MAX_SHARD_BYTES = 5 * 2**30
@@ -39,16 +41,23 @@ class MegatronBackend:
 
     def __init__(self, actors: list[Any], infos: list[dict[str, int]], train_cfg: TrainConfig, model_path: str) -> None:
         self.actors, self.infos, self.train_cfg, self.model_path = actors, infos, train_cfg, model_path
+        # Read now: the start folder may be an older checkpoint that is pruned while we train.
+        self.side_files = {name: (Path(model_path) / name).read_bytes() for name in HF_SIDE_FILES
+                           if (Path(model_path) / name).is_file()}
         m = train_cfg.megatron
         self.dp_size = train_cfg.num_ranks // (m.tensor_parallel * m.pipeline_parallel * m.context_parallel)
 
     @classmethod
     def create(cls, model_path: str, train_cfg: TrainConfig, algo_cfg: AlgoConfig, temperature: float,
-               seed: int, total_steps: int | None = None) -> "MegatronBackend":
+               seed: int, total_steps: int | None = None, placement_group: Any = None) -> MegatronBackend:
+        """`placement_group` (core/placement.py): rank r runs on its bundle r (CPU bundles:
+        those ranks ask for no GPU); without one, a rank takes a GPU when the cluster has one each."""
+        from milepost.core.placement import actor_strategy
         world = train_cfg.num_ranks
-        gpus = 1 if ray.cluster_resources().get("GPU", 0) >= world else 0
+        gpus = 1 if placement_group is None and ray.cluster_resources().get("GPU", 0) >= world else 0
         actor_cls = ray.remote(num_cpus=RANK_NUM_CPUS, num_gpus=gpus)(MegatronRankWorker)
-        actors = [actor_cls.remote(r, world, model_path, train_cfg, algo_cfg, temperature, seed, total_steps)
+        actors = [actor_cls.options(**actor_strategy(placement_group, r)).remote(
+                      r, world, model_path, train_cfg, algo_cfg, temperature, seed, total_steps)
                   for r in range(world)]
         backend = cls(actors, [], train_cfg, model_path)
         try:
@@ -97,19 +106,17 @@ class MegatronBackend:
         for part in ray.get([a.export_shards.remote(path, MAX_SHARD_BYTES) for a in self.actors]):
             written.update(part)
         write_index(path, written)
-        for name in HF_SIDE_FILES:
-            src = Path(self.model_path) / name
-            if src.is_file():
-                shutil.copy2(src, Path(path) / name)
+        for name, data in self.side_files.items():
+            Path(path, name).write_bytes(data)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The HF-named weights gathered to the driver, the tied lm_head included as HF's
         state_dict has it (tests, small models)."""
-        stage_heads = [a for a, i in zip(self.actors, self.infos) if i["dp_rank"] == 0]
+        # every TP rank of replica 0 joins the gathers; TP rank 0 of each pipeline stage reports
+        group = [(a, i) for a, i in zip(self.actors, self.infos) if i["dp_rank"] == 0]
         state: dict[str, torch.Tensor] = {}
-        for i, part in zip([self.infos[self.actors.index(a)] for a in stage_heads],
-                           ray.get([a.hf_state_dict.remote() for a in stage_heads])):
-            if i["tp_rank"] == 0:
+        for (_, info), part in zip(group, ray.get([a.hf_state_dict.remote() for a, _ in group])):
+            if info["tp_rank"] == 0:
                 state.update(part)
         if "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
             state["lm_head.weight"] = state["model.embed_tokens.weight"]

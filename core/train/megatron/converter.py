@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
-
 from milepost.core.train.megatron.model import ModelSpec
 
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")

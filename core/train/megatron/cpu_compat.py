@@ -16,8 +16,9 @@ What it changes, only while no CUDA device exists:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode

@@ -138,8 +138,12 @@ def sdpa_attention_class() -> type:
 def transformer_config(spec: ModelSpec, layout: Any, dtype: torch.dtype, on_cpu: bool) -> Any:
     """megatron's TransformerConfig for `spec` under the parallel `layout` (MegatronConfig)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
-    moe: dict[str, Any] = {}
+    # dense models: megatron checks the (unused) dispatcher against variable_seq_lengths
+    moe: dict[str, Any] = {"moe_token_dispatcher_type": "alltoall"}
     if spec.num_experts:
+        if on_cpu and layout.pipeline_parallel > 1:
+            raise ValueError("MoE models with pipeline_parallel > 1 need the alltoall token dispatcher, which "
+                             "needs CUDA; on CPU use train.megatron.pipeline_parallel 1")
         moe = dict(num_moe_experts=spec.num_experts, moe_router_topk=spec.moe_topk,
                    moe_ffn_hidden_size=spec.moe_ffn_hidden_size, moe_router_pre_softmax=spec.moe_pre_softmax,
                    moe_layer_freq=list(spec.moe_layer_pattern), moe_grouped_gemm=False,
@@ -173,7 +177,10 @@ def transformer_config(spec: ModelSpec, layout: Any, dtype: torch.dtype, on_cpu:
 
 def layer_spec(spec: ModelSpec, config: Any) -> Any:
     """The local layer spec (or block spec for MoE) with SDPA core attention."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+    )
     attention = sdpa_attention_class()
     if spec.num_experts:
         block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")

@@ -18,12 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
-
 from milepost.core.algo.losses import entropy_from_logits, rl_loss
 from milepost.core.config import AlgoConfig
 from milepost.core.train.batch import collate, split_micro_batches
 from milepost.core.types import Sample
+from torch import Tensor
 
 
 @dataclass
@@ -36,8 +35,8 @@ class MicroBatch:
     pick_cols: Tensor  # [B, T]: its position in that row
     batch: dict[str, Tensor]  # collate(...) of the samples: loss tensors [B, T]
 
-    def to(self, device: torch.device) -> "MicroBatch":
-        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+    def to(self, device: torch.device) -> MicroBatch:
+        move = lambda t: t.to(device, non_blocking=True)
         return MicroBatch(move(self.input_ids), move(self.position_ids),
                           None if self.cu_seqlens is None else move(self.cu_seqlens), self.max_seqlen,
                           move(self.pick_rows), move(self.pick_cols), {k: move(v) for k, v in self.batch.items()})
@@ -89,7 +88,9 @@ def picked_logits(logits: Tensor, mb: MicroBatch, vocab_size: int, temperature: 
     """Temperature-scaled fp32 logits that predict response tokens: [B, T, V] (full vocabulary)."""
     picked = logits[mb.pick_rows, mb.pick_cols]
     if tp_size > 1:
-        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+        from megatron.core.tensor_parallel import (
+            gather_from_tensor_model_parallel_region,
+        )
         picked = gather_from_tensor_model_parallel_region(picked)
     picked = picked[..., :vocab_size].float()
     return picked / temperature if temperature > 0 else picked

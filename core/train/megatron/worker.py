@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import random
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -25,17 +27,43 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-
 from milepost.core.config import AlgoConfig, TrainConfig
 from milepost.core.train.batch import padding_sample
 from milepost.core.train.megatron import cpu_compat
 from milepost.core.train.megatron.converter import iter_hf_tensors, load_hf_into
-from milepost.core.train.megatron.model import ModelSpec, build_gpt_model, spec_from_hf_config, transformer_config
-from milepost.core.train.megatron.step import (MicroBatch, build_micro_batches, forward_logits, logprobs_and_entropy,
-                                               micro_batch_loss, picked_logits)
+from milepost.core.train.megatron.model import (
+    ModelSpec,
+    build_gpt_model,
+    spec_from_hf_config,
+    transformer_config,
+)
+from milepost.core.train.megatron.step import (
+    MicroBatch,
+    build_micro_batches,
+    forward_logits,
+    logprobs_and_entropy,
+    micro_batch_loss,
+    picked_logits,
+)
 from milepost.core.types import Sample
 
 PG_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def lr_lambda(schedule: str, warmup_steps: int, total_steps: int | None) -> Callable[[int], float]:
+    """torch_backend.lr_lambda, restated: that module imports Ray, which this worker must not
+    need (the GPU benchmark runs it in-process). test_megatron_backend compares train/lr."""
+    if schedule != "constant" and total_steps is None:
+        raise ValueError(f"train.lr_schedule={schedule} needs total_steps")
+
+    def mult(s: int) -> float:
+        if s < warmup_steps:
+            return (s + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (s - warmup_steps) / max(1, total_steps - warmup_steps))
+        return 0.5 * (1.0 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
+    return mult
 
 
 def compat(method: Any) -> Any:
@@ -52,7 +80,6 @@ class MegatronRankWorker:
         torch.set_num_threads(train_cfg.num_threads_per_rank)
         self.rank, self.world_size, self.model_path = rank, world_size, model_path
         self.cfg, self.algo, self.temperature, self.seed = train_cfg, algo_cfg, temperature, seed
-        from milepost.core.train.torch_backend import lr_lambda
         self.lr_mult = lr_lambda(train_cfg.lr_schedule, train_cfg.warmup_steps, total_steps)
         self.sched_step = 0
 
@@ -71,9 +98,13 @@ class MegatronRankWorker:
         on_gpu = torch.cuda.is_available()
         if on_gpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", self.rank % torch.cuda.device_count())))
-        elif m.sequence_parallel or m.distributed_optimizer:
-            raise ValueError("train.megatron.sequence_parallel / distributed_optimizer need GPUs (they fail on "
-                             "CPU in megatron-core 0.16); set them to false for CPU runs")
+        elif m.distributed_optimizer:
+            raise ValueError("train.megatron.distributed_optimizer needs GPUs (it fails on CPU in megatron-core "
+                             "0.16); set it to false for CPU runs")
+        if m.sequence_parallel or m.context_parallel > 1:
+            raise ValueError("train.megatron.sequence_parallel and context_parallel > 1 need Transformer Engine "
+                             "layers (megatron-core's torch norm and attention refuse them), which this backend "
+                             "does not use yet; set sequence_parallel false and context_parallel 1")
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://{master_addr}:{port}",
                                 rank=self.rank, world_size=self.world_size, timeout=PG_TIMEOUT)
@@ -109,11 +140,19 @@ class MegatronRankWorker:
         vp = self.cfg.megatron.virtual_pipeline
         stages = [None] if vp is None else list(range(vp))
         chunks = [build_gpt_model(self.spec, self.tconfig, vp_stage=s).to(self.device) for s in stages]
+        for chunk in chunks:  # megatron's torch norms ignore params_dtype (fp32 weights in a bf16 model):
+            for module in chunk.modules():  # cast them, as HF's bf16 models hold them, so export is exact
+                if isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
+                    module.to(self.dtype)
         load_hf_into(chunks, self.model_path, self.spec, self.tp_rank, self.tp_size, self.ep_rank)
         return chunks
 
     def _build_ddp_and_optimizer(self, chunks: list[Any]) -> None:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         m, cfg = self.cfg.megatron, self.cfg
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -212,6 +251,9 @@ class MegatronRankWorker:
     # ---- weights ----
     def hf_tensors(self) -> Any:
         """HF-named full tensors of this pipeline stage (collective over the TP group)."""
+        if self.cfg.megatron.expert_parallel > 1:
+            raise NotImplementedError("exporting / syncing weights with train.megatron.expert_parallel > 1 is not "
+                                      "built yet (experts would need a gather over the expert-parallel group)")
         from megatron.core import parallel_state as ps
         group = ps.get_tensor_model_parallel_group()
 
@@ -296,8 +338,12 @@ class MegatronRankWorker:
     def stage_weights(self, names: list[str] | None) -> None:
         """Gather the HF tensors `names` (all when None) of this stage onto this rank; only the
         megatron tensors that make them are all-gathered over TP (per bucket, not the model)."""
-        from milepost.core.train.megatron.converter import global_names, mapping_for, to_hf
         from megatron.core import parallel_state as ps
+        from milepost.core.train.megatron.converter import (
+            global_names,
+            mapping_for,
+            to_hf,
+        )
         wanted = None if names is None else set(names)
         staged: dict[str, torch.Tensor] = {}
         for chunk in self.model:
