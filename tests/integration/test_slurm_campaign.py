@@ -15,12 +15,14 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlparse
 
 import psutil
 import pytest
@@ -120,6 +122,12 @@ def test_slurm_campaign_matches_local_and_every_stage_is_in_sacct(dev_cluster, r
 
     launch = _record(slurm, "launch_ray")
     assert launch["mode"] == "slurm" and launch["num_nodes"] == 2 and len(launch["node_ips"]) == 2, launch
+    # The dev cluster's nodes are hostnames (NodeHostname=<this host>): whatever binds got IP literals.
+    rollout = _record(slurm, "rollout")
+    for url in [rollout["router_url"], *rollout["engine_urls"]]:
+        ipaddress.ip_address(urlparse(url).hostname)
+    for address in [launch["address"].rsplit(":", 1)[0], *launch["node_ips"]]:
+        ipaddress.ip_address(address)
     timings = json.loads((slurm / "blocks/000000/timings.json").read_text())["stages"]
     stage_jobs = {s: t["job_id"] for s, t in timings.items()}
     stage_jobs["teardown"] = _record(slurm, "teardown")["slurm_job_id"]
