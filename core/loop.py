@@ -160,12 +160,13 @@ class RLLoop:
         export = self.exports_dir / f"{step:08d}"
         self.backend.export_hf(str(export))
         version = str(self.state.policy_version + 1)
-        metrics = self.transport.push(self.engines, str(export), version, backend=self.backend)
-        self.state.policy_version += 1
-        self.state.step = step
-        self.ahead.advance(self.state.policy_version)
+        with self.ahead.hold_for_push(next_index=step, timeout_s=self.recipe.rollout.request_timeout_s) as waited_s:
+            metrics = self.transport.push(self.engines, str(export), version, backend=self.backend)
+            self.state.policy_version += 1
+            self.state.step = step
+            self.ahead.advance(self.state.policy_version)
         self._prune_exports(keep=export)
-        return {k: v for k, v in metrics.items() if not k.endswith("seconds")}
+        return {**{k: v for k, v in metrics.items() if not k.endswith("seconds")}, "timing/push_wait_rollout_s": waited_s}
 
     def _prune_exports(self, keep: Path) -> None:
         import shutil

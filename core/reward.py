@@ -87,8 +87,13 @@ class RewardEvaluator:
                                f"(response {sample.response_text!r}): {type(e).__name__}: {e}") from e
 
     def score(self, samples: list[Sample]) -> list[float]:
+        # Slices, not one future per sample: for cheap rewards the futures cost more than the
+        # scoring (and contend for the GIL with the rollout's HTTP); a few slices per worker
+        # still balance slow, I/O-bound rewards.
+        size = max(1, -(-len(samples) // (4 * self.num_workers)))
+        slices = [samples[i:i + size] for i in range(0, len(samples), size)]
         with ThreadPoolExecutor(max_workers=self.num_workers) as pool:
-            scores = list(pool.map(self._one, samples))
+            scores = [x for part in pool.map(lambda part: [self._one(s) for s in part], slices) for x in part]
         for s, r in zip(samples, scores):
             s.reward = r
         return scores

@@ -12,6 +12,11 @@ Concurrency rules (enforced here):
   starts only once version c is served, and nothing is generated while weights change.
 - The producer never starts a chunk at or past `limit` (the block's last step): a block
   ends with nothing in flight, and the next block starts from the same place.
+- A weight push does not cut the chunk the trainer takes next (`hold_for_push`): the trainer
+  would wait for that chunk anyway, and cutting it only costs a second prefill of what was
+  already generated. The push waits for it (up to rollout.request_timeout_s, then cuts it),
+  and no chunk starts during the push.
+  Chunks further ahead (max_staleness >= 2) are still cut, so their tokens come fresher.
 - Responses cut by a weight push are continued under the new policy by the rollout function
   (core/partial_rollout.py, `rollout.partial_rollout`). A chunk that still comes back with
   a cut response (partial rollouts off, or a custom rollout function) is generated again
@@ -33,8 +38,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from milepost.core.data.source import PromptSource
 from milepost.core.types import Prompt, Sample
@@ -87,6 +93,7 @@ class RolloutAhead:
         self._limit = next_chunk
         self._error: BaseException | None = None
         self._stopping = False
+        self._pushing = False
         self._thread: threading.Thread | None = None
 
     # --- trainer side -----------------------------------------------------------------------
@@ -130,6 +137,27 @@ class RolloutAhead:
             self._version = policy_version
             self._cv.notify_all()
 
+    @contextmanager
+    def hold_for_push(self, next_index: int, timeout_s: float) -> Iterator[float]:
+        """Around a weight push: first let chunk `next_index` (the trainer's next) finish if
+        it is being generated, for at most `timeout_s` (then the push cuts it as usual);
+        start no chunk until the push is over. Yields the seconds waited."""
+        start = time.monotonic()
+        deadline = start + timeout_s
+        with self._cv:
+            self._pushing = True
+            while self._error is None and not self._stopping and time.monotonic() < deadline:
+                chunk = self._chunks.get(next_index)
+                if chunk is None or not chunk.in_progress:
+                    break
+                self._cv.wait(min(1.0, max(0.0, deadline - time.monotonic())))
+        try:
+            yield time.monotonic() - start
+        finally:
+            with self._cv:
+                self._pushing = False
+                self._cv.notify_all()
+
     def snapshot(self, cursor_owner: PromptSource) -> dict[str, Any]:
         """Cursor + every issued, untrained chunk (buffered with samples, or in flight)."""
         with self._cv:
@@ -153,7 +181,7 @@ class RolloutAhead:
                 todo = Chunk(self._next_new, self.source.next_batch(self.prompts_per_step))
                 self._chunks[todo.index] = todo
                 self._next_new += 1
-            if todo is not None and todo.index < self._limit and \
+            if todo is not None and not self._pushing and todo.index < self._limit and \
                     todo.index <= self._version + self.max_staleness:
                 todo.in_progress = True
                 return todo
@@ -173,6 +201,7 @@ class RolloutAhead:
                 with self._cv:
                     chunk.in_progress = False
                     chunk.num_generations += 1
+                    self._cv.notify_all()  # a push may be waiting for this chunk
                     if any(s.finish_reason == "abort" for s in samples):
                         continue  # cut by a weight push: generate it again, same seed
                     versions = [v for v in (s.oldest_version() for s in samples) if v is not None]

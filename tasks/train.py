@@ -109,7 +109,5 @@ def _serve_checkpoint(fleet: Any, transport: Any, path: str, version: int, backe
     the rollout stage lives on): the killed attempt may have pushed weights newer than its last
     checkpoint, or died with the engines asleep (colocated). Resuming memory is a no-op on an
     awake engine; the push costs one weight sync per train stage."""
-    with fleet.weight_push() as live:
-        for client in live:
-            client.resume_memory_occupation(["weights", "kv_cache"], timeout_s=120.0)
+    transport.wake()
     transport.push(fleet.clients, path, str(version), backend=backend)

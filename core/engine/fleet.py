@@ -318,11 +318,13 @@ class FleetTransport:
         try:
             yield
         except BaseException:
-            self._wake(timeout_s, reload=True)
+            self.wake(timeout_s, reload=True)
             raise
-        self._wake(timeout_s, reload=False)
+        self.wake(timeout_s, reload=False)
 
-    def _wake(self, timeout_s: float, reload: bool) -> None:
+    def wake(self, timeout_s: float = 120.0, reload: bool = False) -> None:
+        """Every live engine takes its memory back (a no-op on an awake engine). `reload`: it
+        also reloads the weights the fleet last served; otherwise the next push fills it."""
         with self.fleet.weight_push() as live:
             for c in live:
                 c.resume_memory_occupation(["weights", "kv_cache"], timeout_s=timeout_s)

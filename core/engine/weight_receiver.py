@@ -10,8 +10,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -174,46 +175,50 @@ class WeightReceiver:
     def adopt(self, state: dict[str, torch.Tensor]) -> str | None:
         """Swap freshly loaded private tensors in (disk loads), releasing any leases; None on
         success, else why not. Names and shapes were checked by the caller."""
+        with self._both_locks() as busy:
+            if busy:
+                return busy
+            targets = self._target_map()
+            for name, t in state.items():
+                canonical, live = targets[name]
+                self._swap_in(canonical, t.to(live.dtype).contiguous(), None)
+        return None
+
+    @contextmanager
+    def _both_locks(self) -> Iterator[str | None]:
+        """_update_lock then model_lock (the documented order), each within lock_timeout_s.
+        Yields None while both are held, else why they could not be taken."""
         if not self._update_lock.acquire(timeout=self.lock_timeout_s):
-            return f"a weight update held the engine for {self.lock_timeout_s} s"
+            yield f"a weight update held the engine for {self.lock_timeout_s} s"
+            return
         try:
             if not self.sched.model_lock.acquire(timeout=self.lock_timeout_s):
-                return f"model busy for {self.lock_timeout_s} s"
+                yield f"model busy for {self.lock_timeout_s} s"
+                return
             try:
-                targets = self._target_map()
-                for name, t in state.items():
-                    canonical, live = targets[name]
-                    self._swap_in(canonical, t.to(live.dtype).contiguous(), None)
+                yield None
             finally:
                 self.sched.model_lock.release()
         finally:
             self._update_lock.release()
-        return None
 
     # ---- memory release (colocated placement; rules in core/engine/memory.py) ----
     def drop_weights(self) -> dict[str, tuple[torch.Size, torch.dtype]] | str:
         """Free every live tensor, shadow and lease; returns each canonical tensor's shape and
         dtype (to allocate it again), or why not."""
-        if not self._update_lock.acquire(timeout=self.lock_timeout_s):
-            return f"a weight update held the engine for {self.lock_timeout_s} s"
-        try:
-            if not self.sched.model_lock.acquire(timeout=self.lock_timeout_s):
-                return f"model busy for {self.lock_timeout_s} s"
-            try:
-                shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
-                for name, (canonical, live) in self._target_map().items():
-                    if name == canonical:
-                        shapes[canonical] = (live.shape, live.dtype)
-                        live.data = torch.empty(0, dtype=live.dtype)
-                        lease = self._live_leases.pop(canonical, None)
-                        if lease is not None:
-                            lease.release()
-                self._shadows.clear()
-                return shapes
-            finally:
-                self.sched.model_lock.release()
-        finally:
-            self._update_lock.release()
+        with self._both_locks() as busy:
+            if busy:
+                return busy
+            shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
+            for name, (canonical, live) in self._target_map().items():
+                if name == canonical:
+                    shapes[canonical] = (live.shape, live.dtype)
+                    live.data = torch.empty(0, dtype=live.dtype)
+                    lease = self._live_leases.pop(canonical, None)
+                    if lease is not None:
+                        lease.release()
+            self._shadows.clear()
+            return shapes
 
     def allocate_weights(self, shapes: dict[str, tuple[torch.Size, torch.dtype]]) -> None:
         """Give every dropped tensor uninitialised memory again; each stays in `unloaded`

@@ -9,6 +9,8 @@ point at position 0 / `pad_id`, which are valid but ignored).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -35,33 +37,28 @@ def collate(samples: list[Sample], pad_id: int) -> dict[str, Tensor]:
     b = len(samples)
     width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     t_max = max(1, max(len(s.response_ids) for s in samples))
-    input_ids = torch.full((b, width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((b, width), dtype=torch.long)
-    logit_index = torch.zeros((b, t_max), dtype=torch.long)
-    target_ids = torch.full((b, t_max), pad_id, dtype=torch.long)
-    response_mask = torch.zeros((b, t_max), dtype=torch.float32)
-    loss_mask = torch.zeros((b, t_max), dtype=torch.float32)
-    engine_logprobs = torch.zeros((b, t_max), dtype=torch.float32)
-    advantages = torch.zeros((b, t_max), dtype=torch.float32)
-    for i, s in enumerate(samples):
+    # Rows are padded into one flat Python list per field, then one tensor each: small tensor
+    # ops per sample, or nested lists, cost more than a small model's forward.
+    rows: dict[str, list[Any]] = {k: [] for k in (
+        "input_ids", "attention_mask", "logit_index", "target_ids", "response_mask", "loss_mask",
+        "engine_logprobs", "advantages")}
+    for s in samples:
         p, n = len(s.prompt_ids), len(s.response_ids)
-        input_ids[i, :p + n] = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long)
-        attention_mask[i, :p + n] = 1
-        if n == 0:
-            continue
-        logit_index[i, :n] = torch.arange(p - 1, p - 1 + n)
-        target_ids[i, :n] = torch.tensor(s.response_ids, dtype=torch.long)
-        response_mask[i, :n] = 1.0
-        loss_mask[i, :n] = torch.tensor(s.loss_mask, dtype=torch.float32)
-        engine_logprobs[i, :n] = torch.tensor(s.engine_logprobs, dtype=torch.float32)
-        advantages[i, :n] = float(s.advantage)
-    position_ids = torch.arange(width, dtype=torch.long).unsqueeze(0).expand(b, width).contiguous()
-    return {
-        "input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
-        "logit_index": logit_index, "target_ids": target_ids, "response_mask": response_mask,
-        "loss_mask": loss_mask * response_mask, "engine_logprobs": engine_logprobs,
-        "advantages": advantages,
-    }
+        pad, t_pad = width - p - n, t_max - n
+        rows["input_ids"].extend(s.prompt_ids + s.response_ids + [pad_id] * pad)
+        rows["attention_mask"].extend([1] * (p + n) + [0] * pad)
+        rows["logit_index"].extend(list(range(p - 1, p - 1 + n)) + [0] * t_pad)
+        rows["target_ids"].extend(s.response_ids + [pad_id] * t_pad)
+        rows["response_mask"].extend([1.0] * n + [0.0] * t_pad)
+        rows["loss_mask"].extend([float(m) for m in s.loss_mask] + [0.0] * t_pad)
+        rows["engine_logprobs"].extend([float(x) for x in s.engine_logprobs] + [0.0] * t_pad)
+        rows["advantages"].extend([float(s.advantage)] * n + [0.0] * t_pad)
+    longs = ("input_ids", "attention_mask", "logit_index", "target_ids")
+    out = {k: torch.tensor(v, dtype=torch.long if k in longs else torch.float32).view(b, -1)
+           for k, v in rows.items()}
+    out["loss_mask"] = out["loss_mask"] * out["response_mask"]
+    out["position_ids"] = torch.arange(width, dtype=torch.long).unsqueeze(0).expand(b, width).contiguous()
+    return out
 
 
 def split_micro_batches(samples: list[Sample], micro_batch_size: int) -> list[list[Sample]]:

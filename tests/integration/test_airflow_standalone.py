@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from milepost.slurm.devcluster import check_dev_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 DAG_ID = "milepost_tiny_arith"
@@ -39,16 +38,6 @@ OVERRIDES = [f"campaign.num_blocks={BLOCKS}", f"campaign.steps_per_block={STEPS}
              "eval.num_prompts=32", f"data.num_train_rows={BLOCKS * STEPS * 8}", "filters.drop_zero_variance_groups=false",
              "cluster.executor=slurm", "cluster.num_nodes=2", "cluster.slurm.time_min=30"]
 GUARD_S = 900  # against hanging forever, not a timing assertion
-
-
-@pytest.fixture(scope="module")
-def dev_cluster() -> None:
-    if check_dev_cluster(min_nodes=1):
-        subprocess.run(["bash", str(ROOT / "slurm" / "devcluster.sh"), "up"], cwd=ROOT, timeout=300,
-                       capture_output=True, check=False)  # checked just below, with the reason
-    problem = check_dev_cluster(min_nodes=1)
-    if problem:
-        pytest.fail(problem, pytrace=False)
 
 
 @pytest.fixture(scope="module")

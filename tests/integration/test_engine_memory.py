@@ -73,9 +73,12 @@ def test_release_is_refused_while_requests_run_and_for_unknown_tags(engine) -> N
     while client.get_load()[0]["num_tokens"] < 16 * 5:
         assert time.monotonic() < deadline
         time.sleep(0.01)
+    client.pause("in_place")  # hold them running: on a fast machine they could finish first
+    assert client.get_load()[0]["num_tokens"] >= 16 * 5
     with pytest.raises(EngineError, match="requests running") as refused:
         client.release_memory_occupation(["weights"])
     assert refused.value.status == 400
+    client.continue_generation()
     long.join(300)
     assert not long.is_alive()
     with pytest.raises(EngineError, match="unknown tags"):

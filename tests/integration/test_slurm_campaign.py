@@ -27,7 +27,6 @@ from urllib.parse import urlparse
 import psutil
 import pytest
 
-from milepost.slurm.devcluster import check_dev_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 GUARD_S = 180  # against hanging forever, not a timing assertion
@@ -38,13 +37,6 @@ OVERRIDES = ["campaign.num_blocks=1", f"campaign.steps_per_block={STEPS}", "chec
              "cluster.slurm.time_min=30"]
 SLURM = ["cluster.executor=slurm", "cluster.num_nodes=2"]
 STAGES = ("launch_ray", "rollout", "train", "sync", "evaluate", "teardown")
-
-
-@pytest.fixture(scope="session")
-def dev_cluster() -> None:
-    problem = check_dev_cluster(min_nodes=2)
-    if problem:
-        pytest.fail(problem, pytrace=False)
 
 
 def _command(campaign: Path, extra: list[str]) -> list[str]:

@@ -17,7 +17,6 @@ import cloudpickle
 import pytest
 
 from milepost.slurm.checkpointable import CheckpointableStage, restart_count
-from milepost.slurm.devcluster import check_dev_cluster
 from milepost.slurm.executor import Executor, JobError
 from milepost.slurm.options import Resources, SlurmOptions
 from milepost.slurm.slurm_executor import SlurmExecutor, SlurmJobHandle
@@ -26,13 +25,6 @@ from milepost.slurm.state import Outcome, SlurmStatePoller
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 GUARD_S = 180  # a guard against hanging forever, not a timing assertion
-
-
-@pytest.fixture(scope="session")
-def dev_cluster() -> None:
-    problem = check_dev_cluster(min_nodes=2)
-    if problem:
-        pytest.fail(problem, pytrace=False)
 
 
 @pytest.fixture(scope="module")

@@ -16,19 +16,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from milepost.slurm.devcluster import check_dev_cluster
 from milepost.slurm.options import SlurmOptions
 from milepost.slurm.sbatch import RayAllocationSpec, RayPorts, render_ray_allocation
 from milepost.slurm.state import Outcome, SlurmStatePoller
 
 GUARD_S = 180  # a guard against hanging forever, not a timing assertion
-
-
-@pytest.fixture(scope="session")
-def dev_cluster() -> None:
-    problem = check_dev_cluster(min_nodes=2)
-    if problem:
-        pytest.fail(problem, pytrace=False)
 
 
 def processes_of(job_id: str) -> dict[int, str]:

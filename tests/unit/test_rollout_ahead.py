@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -130,4 +131,67 @@ def test_a_failing_rollout_fails_the_trainer_with_its_cause():
     ahead.start(limit=2)
     with pytest.raises(RolloutError, match="refused the connection"):
         ahead.take(0, timeout_s=10)
+    ahead.stop()
+
+
+class GatedEngine(Engine):
+    """Generation of each chunk blocks until the test opens its gate."""
+
+    def __init__(self, ahead_ref: list) -> None:
+        super().__init__(ahead_ref)
+        self.gates: dict[int, threading.Event] = {}
+        self.running = threading.Event()
+
+    def __call__(self, index: int, prompts: list[Prompt]) -> list[Sample]:
+        gate = self.gates.setdefault(index, threading.Event())
+        self.running.set()
+        gate.wait(10)
+        return super().__call__(index, prompts)
+
+
+def _gated(max_staleness: int) -> tuple[RolloutAhead, GatedEngine]:
+    ref: list = []
+    engine = GatedEngine(ref)
+    ahead = RolloutAhead(_source(), engine, prompts_per_step=PROMPTS_PER_STEP, max_staleness=max_staleness,
+                         policy_version=0, next_chunk=0)
+    ref.append(ahead)
+    return ahead, engine
+
+
+def test_a_push_waits_for_the_trainers_next_chunk_and_starts_nothing_meanwhile():
+    ahead, engine = _gated(max_staleness=1)
+    engine.gates[0] = threading.Event()
+    engine.gates[0].set()
+    ahead.start(limit=3)
+    ahead.take(0, timeout_s=10)  # step 1 trains chunk 0; chunk 1 is now being generated
+    assert engine.running.wait(5)
+    entered = threading.Event()
+
+    def push() -> None:
+        with ahead.hold_for_push(next_index=1, timeout_s=10) as waited_s:
+            assert waited_s > 0.1  # it waited for chunk 1 instead of cutting it
+            entered.set()
+            ahead.advance(1)  # chunk 2 is now allowed by the bound, but not during the push
+            time.sleep(0.3)
+            assert 2 not in engine.started
+
+    pusher = threading.Thread(target=push)
+    pusher.start()
+    assert not entered.wait(0.3), "the push went ahead while the trainer's next chunk was generating"
+    engine.gates.setdefault(1, threading.Event()).set()
+    pusher.join(10)
+    assert entered.is_set() and engine.started[1] == [0]  # generated once, under version 0
+    engine.gates.setdefault(2, threading.Event()).set()
+    assert ahead.take(1, timeout_s=10).samples
+    assert ahead.take(2, timeout_s=10).samples and engine.started[2] == [1]
+    ahead.stop()
+
+
+def test_a_push_stops_waiting_for_a_chunk_after_its_timeout():
+    ahead, engine = _gated(max_staleness=1)
+    ahead.start(limit=2)
+    assert engine.running.wait(5)  # chunk 0 is generating and nobody opens its gate
+    with ahead.hold_for_push(next_index=0, timeout_s=0.2) as waited_s:
+        assert 0.2 <= waited_s < 2
+    engine.gates[0].set()
     ahead.stop()
