@@ -139,6 +139,8 @@ class MegatronConfig(Section):
     recompute: Literal["none", "selective", "full"] = "none"
     pack_sequences: bool = Field(True, description="Pack micro-batch samples into one sequence (THD).")
     micro_batch_tokens: int = Field(4096, ge=1, description="Token budget of one packed micro-batch.")
+    fuse: bool = Field(True, description="Fused RoPE / RMSNorm / SwiGLU / logprob kernels (torch.compile on "
+                                         "GPU, the same math eagerly on CPU); false: megatron's unfused ops.")
 
 
 class TrainConfig(Section):

@@ -62,8 +62,12 @@ def test_worker_on_gpu_matches_hf_and_round_trips(tmp_path):
                       normalizer, entropy=ent.detach())
     loss.backward()
     ref_norm = torch.nn.utils.clip_grad_norm_(hf.parameters(), 1e9).item()
+    # the reference update: clip to train.grad_clip (1.0), then torch AdamW (megatron's Adam, made fused on GPU)
+    torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
+    torch.optim.AdamW(hf.parameters(), lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0).step()
+    stepped = {k: v.detach().cpu() for k, v in hf.state_dict().items()}
 
-    train = TrainConfig(backend="megatron", num_ranks=1, precision="fp32", micro_batch_size=2, lr=1e-4,
+    train = TrainConfig(backend="megatron", num_ranks=1, precision="fp32", micro_batch_size=2, lr=1e-4, grad_clip=1.0,
                         megatron={"pack_sequences": True, "micro_batch_tokens": 64})
     w = MegatronRankWorker(0, 1, str(model_dir), train, algo, temperature=1.0, seed=0, total_steps=None)
     w.setup(w.free_port())
@@ -82,5 +86,10 @@ def test_worker_on_gpu_matches_hf_and_round_trips(tmp_path):
         trained = w.hf_state_dict()
         assert set(exported) == set(load_file(str(model_dir / "model.safetensors")))
         assert all(torch.equal(exported[k], trained[k]) for k in trained)
+        # Adam's first update is lr * g / (|g| + eps): an element with |g| near eps moves by a
+        # rounding-dependent fraction of lr (seen: 1.3e-5 of 1e-4 for one element), so every
+        # element within lr and the bulk within 1e-6; a wrong update moves whole tensors by ~lr
+        diffs = torch.cat([(trained[k] - stepped[k]).abs().flatten() for k in trained])
+        assert diffs.max() < 1e-4 and (diffs < 1e-6).float().mean() > 0.999, (diffs.max(), (diffs < 1e-6).float().mean())
     finally:
         w.shutdown()

@@ -115,6 +115,7 @@ def _check_architectures(port: int, queue: mp.Queue) -> None:
     from milepost.core.config import MegatronConfig
     from milepost.core.train.megatron import cpu_compat
     from milepost.core.train.megatron.converter import iter_hf_tensors, load_hf_into
+    from milepost.core.train.megatron.head import response_logits
     from milepost.core.train.megatron.model import build_gpt_model, transformer_config
     from safetensors.torch import load_file
     torch.set_num_threads(1)
@@ -144,8 +145,9 @@ def _check_architectures(port: int, queue: mp.Queue) -> None:
             load_hf_into([model], path, s, 0, 1)
             ids = torch.randint(2, 31, (2, 9))
             pos = torch.arange(9).unsqueeze(0).expand(2, 9)
-            with torch.no_grad():
-                got = model(ids, pos, None)[..., :31]
+            with torch.no_grad():  # the model returns hidden states; the backend's head makes logits
+                rows = torch.arange(2).unsqueeze(-1).expand(2, 9)
+                got = response_logits(model, model(ids, pos, None), rows, pos, 31, 1)
                 ref = hf(input_ids=ids, position_ids=pos).logits
             source = load_file(os.path.join(path, "model.safetensors"))
             exported = dict(iter_hf_tensors([model], s, lambda t: [t]))

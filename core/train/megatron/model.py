@@ -4,17 +4,20 @@
 converter both take it, so their idea of the architecture (heads, groups, vocabulary padding,
 tied embeddings, experts) cannot drift apart. The layer spec is megatron-core's local (non
 Transformer Engine) spec with its core attention replaced by `SDPAttention`, torch's fused
-scaled-dot-product attention: Transformer Engine is not installed on the test machines.
+scaled-dot-product attention: Transformer Engine is not installed on the test machines;
+`fusions` stands in for TE's fused RoPE / RMSNorm / SwiGLU.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from milepost.core.train.megatron import fusions
 
 SUPPORTED_ARCHITECTURES = ("qwen2", "qwen3", "qwen3_moe", "llama")
 
@@ -119,9 +122,13 @@ def sdpa_attention_class() -> type:
             gqa = self.num_attention_heads_per_partition != self.num_query_groups_per_partition
             if packed_seq_params is not None:  # [t, heads, dim], sequences delimited by cu_seqlens
                 cu = packed_seq_params.cu_seqlens_q.tolist()
+                lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
+                # split, not x[a:b]: each slice's backward writes a zero-filled full-size gradient
+                # and adds it up (a packed H200 step at 8 sequences per micro-batch showed ~55 ms
+                # of those fills and adds); split's backward is one cat
                 outs = []
-                for a, b in zip(cu[:-1], cu[1:]):
-                    q, k, v = (x[a:b].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+                for q, k, v in zip(*(x.split(lengths, dim=0) for x in (query, key, value))):
+                    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
                     o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
                                                        enable_gqa=gqa)
                     outs.append(o.squeeze(0).transpose(0, 1))
@@ -160,7 +167,7 @@ def transformer_config(spec: ModelSpec, layout: Any, dtype: torch.dtype, on_cpu:
         normalization="RMSNorm", layernorm_epsilon=spec.norm_eps, gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, add_qkv_bias=spec.qkv_bias, qk_layernorm=spec.qk_layernorm,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=spec.init_std,
-        bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        bias_dropout_fusion=False,
         masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, pipeline_dtype=dtype,
         use_cpu_initialization=on_cpu,
@@ -169,6 +176,7 @@ def transformer_config(spec: ModelSpec, layout: Any, dtype: torch.dtype, on_cpu:
         context_parallel_size=layout.context_parallel, expert_model_parallel_size=layout.expert_parallel,
         expert_tensor_parallel_size=layout.expert_tensor_parallel or layout.tensor_parallel,
         sequence_parallel=layout.sequence_parallel,
+        **fusions.config_overrides(layout.fuse, on_cpu),
         # rollout micro-batches differ in length: pipeline stages must send their shapes
         variable_seq_lengths=layout.pipeline_parallel > 1,
         calculate_per_token_loss=True,  # the loss is pre-normalized by the step's token count
@@ -192,11 +200,25 @@ def layer_spec(spec: ModelSpec, config: Any) -> Any:
     return layer
 
 
+@functools.cache
+def hidden_states_gpt_model_class() -> type:
+    """megatron's GPTModel, returning the last stage's final hidden states [s, b, h] instead of
+    logits: the loss applies the output layer itself, at response positions only (head.py)."""
+    from megatron.core.models.gpt import GPTModel
+
+    class HiddenStatesGPTModel(GPTModel):
+        def _postprocess(self, hidden_states: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+            if kwargs.get("mtp_in_postprocess") or kwargs.get("labels") is not None:
+                raise NotImplementedError("multi-token prediction / labels are not used by the megatron backend")
+            return hidden_states
+
+    return HiddenStatesGPTModel
+
+
 def build_gpt_model(spec: ModelSpec, config: Any, vp_stage: int | None = None) -> Any:
     """One model chunk of this rank (pre/post-process from its pipeline position)."""
     from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    return GPTModel(
+    return hidden_states_gpt_model_class()(
         config=config, transformer_layer_spec=layer_spec(spec, config), vocab_size=spec.padded_vocab_size,
         max_sequence_length=spec.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),

@@ -4,12 +4,13 @@ A micro-batch is either padded rows (`pack_sequences: false`: micro_batch_size s
 right-padded, causal attention so padding never reaches a real token) or one packed row
 (`pack_sequences: true`: samples concatenated up to micro_batch_tokens, attention and RoPE
 restarting at every sample through PackedSeqParams / cu_seqlens). Either way the loss tensors
-come from `batch.collate`, and the logits that predict response tokens are picked at
+come from `batch.collate`, and the hidden states that predict response tokens are picked at
 `pick_rows, pick_cols`, so the loss is the very same `rl_loss` call as the torch backend's.
 
-Logprobs across tensor-parallel ranks: the picked vocabulary-parallel logits [B, T, V/tp] are
-all-gathered (autograd-aware: backward keeps each rank's slice), the padded vocabulary rows
-dropped, then log_softmax / entropy exactly as `train/logprobs.py` computes them.
+The model returns hidden states; the output layer runs at the picked positions only, and
+its vocabulary-parallel logits [B, T, V/tp] are all-gathered across tensor-parallel ranks
+(autograd-aware: backward keeps each rank's slice), the padded vocabulary rows dropped, then
+log_softmax / entropy as `train/logprobs.py` computes them, a chunk of rows at a time (head.py).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from milepost.core.algo.losses import entropy_from_logits, rl_loss
+from milepost.core.algo.losses import rl_loss
 from milepost.core.config import AlgoConfig
 from milepost.core.train.batch import collate, split_micro_batches
+from milepost.core.train.megatron.head import logprobs_and_entropy, response_logits
 from milepost.core.types import Sample
 from torch import Tensor
 
@@ -84,30 +86,12 @@ def build_micro_batches(samples: list[Sample], pad_id: int, pack: bool, micro_ba
     return [_padded(g, pad_id) for g in split_micro_batches(samples, micro_batch_size)]
 
 
-def picked_logits(logits: Tensor, mb: MicroBatch, vocab_size: int, temperature: float, tp_size: int) -> Tensor:
-    """Temperature-scaled fp32 logits that predict response tokens: [B, T, V] (full vocabulary)."""
-    picked = logits[mb.pick_rows, mb.pick_cols]
-    if tp_size > 1:
-        from megatron.core.tensor_parallel import (
-            gather_from_tensor_model_parallel_region,
-        )
-        picked = gather_from_tensor_model_parallel_region(picked)
-    picked = picked[..., :vocab_size].float()
-    return picked / temperature if temperature > 0 else picked
-
-
-def logprobs_and_entropy(scaled: Tensor, target_ids: Tensor) -> tuple[Tensor, Tensor]:
-    """(logprobs [B, T] of target_ids, entropy [B, T]): train/logprobs.py's computation."""
-    logp = torch.log_softmax(scaled, dim=-1)
-    return logp.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1), entropy_from_logits(scaled)
-
-
-def micro_batch_loss(logits: Tensor, mb: MicroBatch, algo: AlgoConfig, temperature: float, normalizer: float,
-                     vocab_size: int, tp_size: int, ref_logprobs: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+def micro_batch_loss(hidden: Tensor, model: Any, mb: MicroBatch, algo: AlgoConfig, temperature: float,
+                     normalizer: float, vocab_size: int, tp_size: int, ref_logprobs: Tensor | None = None,
+                     fuse: bool = True) -> tuple[Tensor, dict[str, float]]:
     """rl_loss of one micro-batch (sum over its loss tokens / the step's loss-token count)."""
     batch = mb.batch
-    logprobs, entropy = logprobs_and_entropy(picked_logits(logits, mb, vocab_size, temperature, tp_size),
-                                             batch["target_ids"])
+    logprobs, entropy = response_logprobs(hidden, model, mb, vocab_size, tp_size, temperature, fuse)
     if algo.entropy_coef == 0:
         entropy = entropy.detach()
     loss, metrics = rl_loss(logprobs, logprobs.detach(), batch["engine_logprobs"], batch["advantages"],
@@ -119,12 +103,19 @@ def micro_batch_loss(logits: Tensor, mb: MicroBatch, algo: AlgoConfig, temperatu
     return loss, metrics
 
 
-def forward_logits(model: Any, mb: MicroBatch) -> Tensor:
-    """The model's (vocabulary-parallel) logits for a micro-batch: [b, L, V/tp], or the hidden
-    state on a non-last pipeline stage."""
+def forward_hidden(model: Any, mb: MicroBatch) -> Tensor:
+    """The model's final hidden states [s, b, h] for a micro-batch (`HiddenStatesGPTModel`;
+    on a non-last pipeline stage, the hidden state it sends on)."""
     packed = None
     if mb.cu_seqlens is not None:
         from megatron.core.packed_seq_params import PackedSeqParams
         packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens,
                                  max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
     return model(mb.input_ids, mb.position_ids, None, packed_seq_params=packed)
+
+
+def response_logprobs(hidden: Tensor, model: Any, mb: MicroBatch, vocab_size: int, tp_size: int,
+                      temperature: float, fuse: bool = True) -> tuple[Tensor, Tensor]:
+    """(logprobs, entropy) [B, T] of the response tokens, from the last stage's hidden states."""
+    logits = response_logits(model, hidden, mb.pick_rows, mb.pick_cols, vocab_size, tp_size)
+    return logprobs_and_entropy(logits, mb.batch["target_ids"], temperature, compiled=fuse)

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from milepost.core.config import AlgoConfig, TrainConfig
 from milepost.core.train.batch import padding_sample
-from milepost.core.train.megatron import cpu_compat
+from milepost.core.train.megatron import cpu_compat, fusions
 from milepost.core.train.megatron.converter import iter_hf_tensors, load_hf_into
 from milepost.core.train.megatron.model import (
     ModelSpec,
@@ -40,10 +40,9 @@ from milepost.core.train.megatron.model import (
 from milepost.core.train.megatron.step import (
     MicroBatch,
     build_micro_batches,
-    forward_logits,
-    logprobs_and_entropy,
+    forward_hidden,
     micro_batch_loss,
-    picked_logits,
+    response_logprobs,
 )
 from milepost.core.types import Sample
 
@@ -64,6 +63,17 @@ def lr_lambda(schedule: str, warmup_steps: int, total_steps: int | None) -> Call
         progress = min(1.0, (s - warmup_steps) / max(1, total_steps - warmup_steps))
         return 0.5 * (1.0 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
     return mult
+
+
+def use_fused_adam(optimizer: Any) -> None:
+    """Switch megatron's torch Adam(W) to torch's fused CUDA kernel: without Transformer Engine
+    or Apex megatron builds the foreach version, which makes several passes over the fp32
+    master weights and moments (TE's FusedAdam makes one, as the fused kernel does)."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if isinstance(inner, torch.optim.Adam):  # AdamW included
+            for group in inner.param_groups:  # read by Adam.step; moment/step state is made lazily
+                group["fused"], group["foreach"] = True, False
 
 
 def compat(method: Any) -> Any:
@@ -140,10 +150,8 @@ class MegatronRankWorker:
         vp = self.cfg.megatron.virtual_pipeline
         stages = [None] if vp is None else list(range(vp))
         chunks = [build_gpt_model(self.spec, self.tconfig, vp_stage=s).to(self.device) for s in stages]
-        for chunk in chunks:  # megatron's torch norms ignore params_dtype (fp32 weights in a bf16 model):
-            for module in chunk.modules():  # cast them, as HF's bf16 models hold them, so export is exact
-                if isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
-                    module.to(self.dtype)
+        for chunk in chunks:  # norms in the model dtype (megatron's ignore params_dtype), fused if asked
+            fusions.swap_norms(chunk, self.dtype, self.cfg.megatron.fuse)
         load_hf_into(chunks, self.model_path, self.spec, self.tp_rank, self.tp_size, self.ep_rank)
         return chunks
 
@@ -163,6 +171,8 @@ class MegatronRankWorker:
                                   clip_grad=cfg.grad_clip, bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
                                   use_distributed_optimizer=m.distributed_optimizer)
         self.optimizer = get_megatron_optimizer(opt_cfg, self.model)
+        if self.device.type == "cuda":
+            use_fused_adam(self.optimizer)
         self.tconfig.no_sync_func = [c.no_sync for c in self.model] if len(self.model) > 1 else self.model[0].no_sync
         # num_tokens=None: losses are already normalized by the step's token count (module doc)
         self.tconfig.finalize_model_grads_func = lambda models, num_tokens=None, *a, **k: finalize_model_grads(
@@ -178,19 +188,21 @@ class MegatronRankWorker:
     # ---- training ----
     def _forward_step(self, normalizer: float, data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
         mb: MicroBatch = next(data_iterator).to(self.device)
-        out = forward_logits(model, mb)
+        out = forward_hidden(model, mb)
         ref = None
         if self.ref is not None:
             with torch.no_grad():
-                ref_logits = forward_logits(self.ref[0], mb)
-                scaled = picked_logits(ref_logits, mb, self.spec.vocab_size, self.temperature, self.tp_size)
-                ref = logprobs_and_entropy(scaled, mb.batch["target_ids"])[0]
-        return out, partial(self._loss, mb, ref, normalizer)
+                ref = self._response_logprobs(self.ref[0], mb)
+        return out, partial(self._loss, model, mb, ref, normalizer)
 
-    def _loss(self, mb: MicroBatch, ref: torch.Tensor | None, normalizer: float,
-              logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-        loss, metrics = micro_batch_loss(logits, mb, self.algo, self.temperature, normalizer,
-                                         self.spec.vocab_size, self.tp_size, ref)
+    def _response_logprobs(self, model: Any, mb: MicroBatch) -> torch.Tensor:
+        return response_logprobs(forward_hidden(model, mb), model, mb, self.spec.vocab_size, self.tp_size,
+                                 self.temperature, self.cfg.megatron.fuse)[0]
+
+    def _loss(self, model: Any, mb: MicroBatch, ref: torch.Tensor | None, normalizer: float,
+              hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        loss, metrics = micro_batch_loss(hidden, model, mb, self.algo, self.temperature, normalizer,
+                                         self.spec.vocab_size, self.tp_size, ref, self.cfg.megatron.fuse)
         return loss, torch.ones((), dtype=torch.int, device=self.device), metrics
 
     def _run_schedule(self, micro_batches: list[MicroBatch], normalizer: float, forward_only: bool) -> list[dict]:
@@ -241,9 +253,7 @@ class MegatronRankWorker:
                 mb = mb.to(self.device)
                 chunk = self.model[0]
                 chunk.eval()
-                logits = forward_logits(chunk, mb)
-                scaled = picked_logits(logits, mb, self.spec.vocab_size, self.temperature, self.tp_size)
-                lp = logprobs_and_entropy(scaled, mb.batch["target_ids"])[0].cpu()
+                lp = self._response_logprobs(chunk, mb).cpu()
                 n = mb.batch["response_mask"].sum(-1).long().tolist()
                 out += [lp[i, :k].tolist() for i, k in enumerate(n)]
         return out
@@ -317,6 +327,8 @@ class MegatronRankWorker:
             for i, c in enumerate(self.model):
                 c.module.load_state_dict(state[f"model{i}"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.device.type == "cuda":  # the loaded param groups carry the writer's kernel choice
+            use_fused_adam(self.optimizer)
         self.sched_step = json.loads(Path(path, "scheduler.json").read_text())["sched_step"]
         rng = Path(path) / f"rng_rank{self.rank}.pt"
         if rng.exists():  # absent when resuming at another world size
