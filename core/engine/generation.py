@@ -11,6 +11,7 @@ before the min_new_tokens stop mask, because the trainer recomputes exactly that
 
 from __future__ import annotations
 
+import inspect
 import random
 import threading
 from contextlib import nullcontext
@@ -97,6 +98,27 @@ def _truncate(logprobs: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return lp
 
 
+def _sample_rows(logprobs: torch.Tensor, rows: list[int], params: list[SamplingParams],
+                 gens: list[torch.Generator]) -> torch.Tensor:
+    """One token per row in `rows`, each drawn with its own sequence's generator: exactly the
+    token `torch.multinomial(truncated_row.exp(), 1, generator)` draws (the same exponential
+    race, argmax(p / Exp(1))), so outputs do not depend on the batch a sequence runs in. The
+    noise is drawn row by row (one generator each); the rest is batched: a multinomial call
+    per row cost most of a decode step for large batches of small models."""
+    lp = logprobs[rows]
+    for j, p in enumerate(params):
+        if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0:
+            lp[j] = _truncate(lp[j], p)
+    probs = lp.exp()
+    if not bool(torch.isfinite(probs).all()) or bool((probs.sum(-1) <= 0).any()):
+        raise ValueError("invalid sampling distribution (NaN or infinite logits, or every token "
+                         "masked): check the model's weights and the sampling parameters")
+    noise = torch.empty_like(probs)
+    for j, g in enumerate(gens):
+        noise[j].exponential_(1, generator=g)
+    return (probs / noise).argmax(-1)
+
+
 class Generator:
     """Runs batches of `Sequence`s to completion on one model.
 
@@ -112,12 +134,17 @@ class Generator:
         self.eos_token_ids = set(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.decode = decode  # needed only for stop strings
+        # transformers renamed the KV-cache argument (`past_key_values` -> `cache`, 5.2x) and a
+        # model silently ignores the name it does not know, decoding without context.
+        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def _forward(self, ids, mask, pos, cache, all_logits: bool, lock) -> torch.Tensor:
         with lock or nullcontext(), torch.inference_mode():
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                             cache=cache, use_cache=True,
-                             logits_to_keep=0 if all_logits else 1)
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                             logits_to_keep=0 if all_logits else 1, **{self._cache_kw: cache})
+        if cache.get_seq_length() < ids.shape[1]:
+            raise RuntimeError(f"the model did not fill the KV cache passed as `{self._cache_kw}` "
+                               "(transformers version mismatch?); generation would lose its context")
         return out.logits
 
     def run_batch(self, seqs: list[Sequence], model_lock: threading.Lock | None = None,
@@ -184,11 +211,10 @@ class Generator:
             for k in blocked:
                 masked[k, list(self._stop_ids(seqs[live[k]].params))] = float("-inf")
         tokens = masked.argmax(-1)
-        for k, i in enumerate(live):
-            p = seqs[i].params
-            if p.temperature > 0:
-                row = _truncate(masked[k], p)
-                tokens[k] = torch.multinomial(row.exp(), 1, generator=gens[i])[0]
+        sampled = [k for k, i in enumerate(live) if seqs[i].params.temperature > 0]
+        if sampled:
+            tokens[sampled] = _sample_rows(masked, sampled, [seqs[live[k]].params for k in sampled],
+                                           [gens[live[k]] for k in sampled])
         chosen = lp.gather(1, tokens.unsqueeze(-1)).squeeze(-1).tolist()  # one sync, not one per row
         for k, i in enumerate(live):
             seqs[i].output_logprobs.append(chosen[k])

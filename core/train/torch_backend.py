@@ -35,6 +35,7 @@ from milepost.core.config import AlgoConfig, TrainConfig
 from milepost.core.train.batch import (collate, count_loss_tokens, num_micro_batches,
                                        padding_sample, shard_by_rank, split_micro_batches)
 from milepost.core.train.logprobs import response_logprobs, response_logprobs_and_entropy
+from milepost.core.train.weight_source import Rank0WeightSource, SenderRank
 from milepost.core.placement import actor_strategy
 from milepost.core.types import Sample
 
@@ -86,7 +87,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
 
 
-class RankWorker:
+class RankWorker(SenderRank):
     """One DDP rank (runs inside a Ray actor)."""
 
     def __init__(self, rank: int, world_size: int, model_path: str, train_cfg: TrainConfig,
@@ -199,34 +200,12 @@ class RankWorker:
             self._sender = WeightSender(self.module)
         return self._sender
 
-    def weight_buckets(self, bucket_bytes: int) -> list[list[dict[str, Any]]]:
-        return self._weight_sender().buckets(bucket_bytes)
-
-    def named_tensors_to_shm(self, names: list[str], bucket: int, buffer_bytes: int) -> str:
-        return self._weight_sender().to_shm(names, bucket, buffer_bytes)
-
-    def release_weight_buffers(self) -> None:
-        self._weight_sender().release()
-
-    def weight_group_address(self) -> tuple[str, int]:
-        return ray.util.get_node_ip_address(), _free_port()
-
-    def init_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
-                          timeout_s: float) -> None:
-        self._weight_sender().init_group(master_address, master_port, world_size, group_name, timeout_s)
-
-    def broadcast_weights(self, names: list[str], group_name: str, flattened: bool) -> None:
-        self._weight_sender().broadcast(names, group_name, flattened)
-
-    def destroy_weight_group(self, group_name: str) -> None:
-        self._weight_sender().destroy_group(group_name)
-
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-class TorchBackend:
+class TorchBackend(Rank0WeightSource):
     """Driver side: shards each step's samples by position and drives the rank actors."""
 
     def __init__(self, actors: list[Any], train_cfg: TrainConfig) -> None:
@@ -290,35 +269,6 @@ class TorchBackend:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Rank 0's weights, copied to the driver (tests, small models)."""
         return ray.get(self.actors[0].state_dict.remote())
-
-    # ---- weight sync: the WeightSource side of the tensor / distributed transports ----
-    # Blocking calls on rank 0 with a timeout, so a transport can bound every step.
-    def _on_rank0(self, method: str, *args: Any, timeout_s: float) -> Any:
-        return ray.get(getattr(self.actors[0], method).remote(*args), timeout=timeout_s)
-
-    def weight_buckets(self, bucket_mb: float, timeout_s: float = 60.0) -> list[list[dict[str, Any]]]:
-        return self._on_rank0("weight_buckets", int(bucket_mb * 2**20), timeout_s=timeout_s)
-
-    def named_tensors_to_shm(self, names: list[str], bucket: int, buffer_bytes: int, timeout_s: float = 60.0) -> str:
-        """Write bucket `bucket` (these names) into a shared-memory file no engine holds."""
-        return self._on_rank0("named_tensors_to_shm", names, bucket, buffer_bytes, timeout_s=timeout_s)
-
-    def release_weight_buffers(self, timeout_s: float = 60.0) -> None:
-        self._on_rank0("release_weight_buffers", timeout_s=timeout_s)
-
-    def weight_group_address(self, timeout_s: float = 60.0) -> tuple[str, int]:
-        return self._on_rank0("weight_group_address", timeout_s=timeout_s)
-
-    def init_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
-                          timeout_s: float = 60.0) -> None:
-        self._on_rank0("init_weight_group", master_address, master_port, world_size, group_name, timeout_s,
-                       timeout_s=timeout_s)
-
-    def broadcast_weights(self, names: list[str], group_name: str, flattened: bool, timeout_s: float = 60.0) -> None:
-        self._on_rank0("broadcast_weights", names, group_name, flattened, timeout_s=timeout_s)
-
-    def destroy_weight_group(self, group_name: str, timeout_s: float = 60.0) -> None:
-        self._on_rank0("destroy_weight_group", group_name, timeout_s=timeout_s)
 
     def shutdown(self) -> None:
         try:

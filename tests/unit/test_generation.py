@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from milepost.core.engine.generation import Generator, SamplingParams, make_sequences
+from milepost.core.engine.generation import Generator, SamplingParams, _sample_rows, _truncate, make_sequences
 
 VOCAB = 32
 
@@ -97,3 +97,57 @@ def test_prefill_scoring(model) -> None:
     ref = [None] + [lp[j - 1, prompt[j]].item() for j in range(1, len(prompt))]
     assert s.input_logprobs[0] is None
     torch.testing.assert_close(torch.tensor(s.input_logprobs[1:]), torch.tensor(ref[1:]), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("vocab", [2, 15, 17, 151, 32000])
+def test_batched_sampling_draws_what_multinomial_draws_per_row(vocab: int) -> None:
+    """The batched sampler must pick, row by row, the token torch.multinomial picks with the
+    same generator: a sequence's tokens never depend on its batch, and seeds keep their meaning."""
+    g = torch.Generator().manual_seed(vocab)
+    logprobs = torch.log_softmax(4 * torch.randn(48, vocab, generator=g), dim=-1)
+    params = [SamplingParams(temperature=1.0, top_k=(3 if j % 4 == 1 else -1), top_p=(0.7 if j % 4 == 2 else 1.0),
+                             min_p=(0.05 if j % 4 == 3 else 0.0)) for j in range(48)]
+    rows = list(range(48))
+    ours = [torch.Generator().manual_seed(100 + j) for j in rows]
+    theirs = [torch.Generator().manual_seed(100 + j) for j in rows]
+    for _ in range(4):  # successive decode steps keep consuming each generator in step
+        drawn = _sample_rows(logprobs, rows, params, ours)
+        expected = [int(torch.multinomial(_truncate(logprobs[j], params[j]).exp(), 1, generator=theirs[j])[0])
+                    for j in rows]
+        assert drawn.tolist() == expected
+
+
+def test_sampling_rejects_a_row_with_nothing_to_draw() -> None:
+    logprobs = torch.full((2, 5), float("-inf"))
+    logprobs[0, 1] = 0.0
+    with pytest.raises(ValueError, match="invalid sampling distribution"):
+        _sample_rows(logprobs, [0, 1], [SamplingParams(temperature=1.0)] * 2,
+                     [torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)])
+
+
+class _OldNameModel(torch.nn.Module):
+    """A model whose forward knows the KV cache only as `past_key_values` (transformers < 5.2x)."""
+
+    def __init__(self, inner: torch.nn.Module, keep_cache: bool = True) -> None:
+        super().__init__()
+        self.inner, self.keep_cache = inner, keep_cache
+
+    def forward(self, input_ids, attention_mask, position_ids, past_key_values=None, use_cache=True,
+                logits_to_keep=0, **_ignored):
+        cache = past_key_values if self.keep_cache else None
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          cache=cache, use_cache=use_cache, logits_to_keep=logits_to_keep)
+
+
+def test_the_kv_cache_goes_by_the_name_the_model_knows(model) -> None:
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    expected = _run(Generator(model, eos_token_ids=[1]), PROMPTS, params)
+    old = _run(Generator(_OldNameModel(model), eos_token_ids=[1]), PROMPTS, params)
+    assert [s.output_ids for s in old] == [s.output_ids for s in expected]
+
+
+def test_a_model_that_drops_the_kv_cache_fails_the_batch(model) -> None:
+    gen = Generator(_OldNameModel(model, keep_cache=False), eos_token_ids=[1])
+    seqs = make_sequences(PROMPTS[0], SamplingParams(max_new_tokens=4, temperature=0.0), 1)
+    with pytest.raises(RuntimeError, match="did not fill the KV cache"):
+        gen.run_batch(seqs)

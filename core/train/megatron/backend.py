@@ -25,6 +25,7 @@ from milepost.core.config import AlgoConfig, TrainConfig
 from milepost.core.train.batch import count_loss_tokens, shard_by_rank
 from milepost.core.train.megatron.converter import write_index
 from milepost.core.train.megatron.worker import MegatronRankWorker
+from milepost.core.train.weight_source import Rank0WeightSource
 from milepost.core.train.torch_backend import (
     RANK_NUM_CPUS,
     TOKENIZER_FILES,
@@ -36,7 +37,7 @@ MAX_SHARD_BYTES = 5 * 2**30
 HF_SIDE_FILES = ("config.json",) + TOKENIZER_FILES
 
 
-class MegatronBackend:
+class MegatronBackend(Rank0WeightSource):
     """Driver side of the megatron backend (a TrainBackend and a WeightSource)."""
 
     def __init__(self, actors: list[Any], infos: list[dict[str, int]], train_cfg: TrainConfig, model_path: str) -> None:
@@ -132,42 +133,13 @@ class MegatronBackend:
             raise ValueError("MegatronBackend.logprobs needs pipeline_parallel 1")
         return ray.get([a.logprobs.remote(samples) for a in self.actors])[0]
 
-    # ---- WeightSource (tensor / distributed transports): rank 0 sends ----
+    # ---- WeightSource (tensor / distributed transports): rank 0 sends, after gathering ----
     def _stage(self, names: list[str] | None, timeout_s: float) -> None:
         if self.train_cfg.megatron.pipeline_parallel > 1:
             raise NotImplementedError("tensor/distributed weight sync with pipeline_parallel > 1 is not built yet; "
                                       "use sync.transport=disk")
         group = [a for a, i in zip(self.actors, self.infos) if i["dp_rank"] == 0]  # rank 0's TP group
         ray.get([a.stage_weights.remote(names) for a in group], timeout=timeout_s)
-
-    def _on_rank0(self, method: str, *args: Any, timeout_s: float) -> Any:
-        return ray.get(getattr(self.actors[0], method).remote(*args), timeout=timeout_s)
-
-    def weight_buckets(self, bucket_mb: float, timeout_s: float = 60.0) -> list[list[dict[str, Any]]]:
-        self._stage(None, timeout_s)
-        return self._on_rank0("weight_buckets", int(bucket_mb * 2**20), timeout_s=timeout_s)
-
-    def named_tensors_to_shm(self, names: list[str], bucket: int, buffer_bytes: int, timeout_s: float = 60.0) -> str:
-        self._stage(names, timeout_s)
-        return self._on_rank0("named_tensors_to_shm", names, bucket, buffer_bytes, timeout_s=timeout_s)
-
-    def release_weight_buffers(self, timeout_s: float = 60.0) -> None:
-        self._on_rank0("release_weight_buffers", timeout_s=timeout_s)
-
-    def weight_group_address(self, timeout_s: float = 60.0) -> tuple[str, int]:
-        return self._on_rank0("weight_group_address", timeout_s=timeout_s)
-
-    def init_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
-                          timeout_s: float = 60.0) -> None:
-        self._on_rank0("init_weight_group", master_address, master_port, world_size, group_name, timeout_s,
-                       timeout_s=timeout_s)
-
-    def broadcast_weights(self, names: list[str], group_name: str, flattened: bool, timeout_s: float = 60.0) -> None:
-        self._stage(names, timeout_s)
-        self._on_rank0("broadcast_weights", names, group_name, flattened, timeout_s=timeout_s)
-
-    def destroy_weight_group(self, group_name: str, timeout_s: float = 60.0) -> None:
-        self._on_rank0("destroy_weight_group", group_name, timeout_s=timeout_s)
 
     def shutdown(self) -> None:
         try:

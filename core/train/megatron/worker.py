@@ -44,6 +44,7 @@ from milepost.core.train.megatron.step import (
     micro_batch_loss,
     response_logprobs,
 )
+from milepost.core.train.weight_source import SenderRank
 from milepost.core.types import Sample
 
 PG_TIMEOUT = datetime.timedelta(minutes=10)
@@ -84,7 +85,7 @@ def compat(method: Any) -> Any:
     return wrapped
 
 
-class MegatronRankWorker:
+class MegatronRankWorker(SenderRank):
     def __init__(self, rank: int, world_size: int, model_path: str, train_cfg: TrainConfig, algo_cfg: AlgoConfig,
                  temperature: float, seed: int, total_steps: int | None) -> None:
         torch.set_num_threads(train_cfg.num_threads_per_rank)
@@ -387,25 +388,3 @@ class MegatronRankWorker:
             self._sender = WeightSender(Staged())
         return self._sender
 
-    def weight_buckets(self, bucket_bytes: int) -> list[list[dict[str, Any]]]:
-        return self._weight_sender().buckets(bucket_bytes)
-
-    def named_tensors_to_shm(self, names: list[str], bucket: int, buffer_bytes: int) -> str:
-        return self._weight_sender().to_shm(names, bucket, buffer_bytes)
-
-    def release_weight_buffers(self) -> None:
-        self._weight_sender().release()
-
-    def weight_group_address(self) -> tuple[str, int]:
-        import ray  # only reached inside a Ray actor
-        return ray.util.get_node_ip_address(), self.free_port()
-
-    def init_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
-                          timeout_s: float) -> None:
-        self._weight_sender().init_group(master_address, master_port, world_size, group_name, timeout_s)
-
-    def broadcast_weights(self, names: list[str], group_name: str, flattened: bool) -> None:
-        self._weight_sender().broadcast(names, group_name, flattened)
-
-    def destroy_weight_group(self, group_name: str) -> None:
-        self._weight_sender().destroy_group(group_name)
