@@ -26,10 +26,10 @@ Round trip: export the trained megatron weights to HF safetensors, load them as 
 engine does (`Scheduler.load`: AutoModelForCausalLM, fp32, CPU), check the engine's tensors
 are the exported ones (sha256 as the torch backend computes it), sample with the engine's
 Generator, and compare its token logprobs with: HF fp32 (GPU), the megatron model cast to
-fp32, the bf16 megatron trainer, and HF bf16 (the last two show bf16's own error). The engine's
-Generator passes its KV cache as `cache=` (transformers 5.24 here); transformers 5.17 (the H200
-image's) swallows that name and decodes without context, so run the round trip with this
-project's transformers (bench/results/megatron_mfu.txt says how).
+fp32, the bf16 megatron trainer, and HF bf16 (the last two show bf16's own error). Run 6 (in
+bench/results/megatron_mfu.txt) found the engine passing its KV cache as `cache=`, a name the
+H200 image's transformers 5.17 swallows (it decoded without context); the engine now passes it
+under the name the model's forward takes and fails a batch whose cache stays empty.
 
 Usage: python bench/megatron_mfu.py --out bench/results/megatron_mfu.txt
 """

@@ -16,14 +16,13 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-import math
 import os
 import random
 import shutil
 import socket
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import ray
@@ -34,6 +33,7 @@ from milepost.core.algo.losses import rl_loss
 from milepost.core.config import AlgoConfig, TrainConfig
 from milepost.core.train.batch import (collate, count_loss_tokens, num_micro_batches,
                                        padding_sample, shard_by_rank, split_micro_batches)
+from milepost.core.train.schedule import lr_lambda
 from milepost.core.train.logprobs import response_logprobs, response_logprobs_and_entropy
 from milepost.core.train.weight_source import Rank0WeightSource, SenderRank
 from milepost.core.placement import actor_strategy
@@ -44,22 +44,6 @@ PG_TIMEOUT = datetime.timedelta(minutes=10)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "added_tokens.json", "tokenizer.model", "chat_template.jinja",
                    "chat_template.json", "generation_config.json")
-
-
-def lr_lambda(schedule: str, warmup_steps: int, total_steps: int | None) -> Callable[[int], float]:
-    """LR multiplier at optimizer step s (0-based): linear warmup to 1 over warmup_steps, then
-    constant, or cosine / linear decay to 0 at total_steps."""
-    if schedule != "constant" and total_steps is None:
-        raise ValueError(f"train.lr_schedule={schedule} needs total_steps")
-
-    def mult(s: int) -> float:
-        if s < warmup_steps:
-            return (s + 1) / warmup_steps
-        if schedule == "constant":
-            return 1.0
-        progress = min(1.0, (s - warmup_steps) / max(1, total_steps - warmup_steps))
-        return 0.5 * (1.0 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
-    return mult
 
 
 def state_sha256(state: dict[str, torch.Tensor]) -> str:
@@ -269,12 +253,3 @@ class TorchBackend(Rank0WeightSource):
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Rank 0's weights, copied to the driver (tests, small models)."""
         return ray.get(self.actors[0].state_dict.remote())
-
-    def shutdown(self) -> None:
-        try:
-            ray.get([a.shutdown.remote() for a in self.actors], timeout=60)
-        except Exception:
-            pass  # an actor that is already gone has no group to destroy
-        for a in self.actors:
-            ray.kill(a)
-        self.actors = []

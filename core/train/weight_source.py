@@ -44,19 +44,33 @@ class SenderRank:
         self._weight_sender().destroy_group(group_name)
 
 
-class Rank0WeightSource:
-    """Driver-side methods over `self.actors` (rank 0 first). `_stage(names, timeout_s)` runs
-    before anything that reads weights: a backend whose rank 0 does not hold whole tensors
-    (Megatron: TP shards) gathers them there first; `names` None means every tensor."""
+class RankActors:
+    """The driver side of a backend whose ranks are Ray actors, `self.actors` (rank 0 first)."""
 
     actors: list[Any]
-
-    def _stage(self, names: list[str] | None, timeout_s: float) -> None:
-        """Rank 0 holds whole tensors already."""
 
     def _on_rank0(self, method: str, *args: Any, timeout_s: float) -> Any:
         import ray
         return ray.get(getattr(self.actors[0], method).remote(*args), timeout=timeout_s)
+
+    def shutdown(self) -> None:
+        import ray
+        try:
+            ray.get([a.shutdown.remote() for a in self.actors], timeout=60)
+        except Exception:
+            pass  # an actor that is already gone has no group to destroy
+        for a in self.actors:
+            ray.kill(a)
+        self.actors = []
+
+
+class Rank0WeightSource(RankActors):
+    """Driver-side WeightSource methods. `_stage(names, timeout_s)` runs before anything that
+    reads weights: a backend whose rank 0 does not hold whole tensors (Megatron: TP shards)
+    gathers them there first; `names` None means every tensor."""
+
+    def _stage(self, names: list[str] | None, timeout_s: float) -> None:
+        """Rank 0 holds whole tensors already."""
 
     def weight_buckets(self, bucket_mb: float, timeout_s: float = 60.0) -> list[list[dict[str, Any]]]:
         self._stage(None, timeout_s)

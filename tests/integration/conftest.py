@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import ray
 
 from milepost.slurm.devcluster import check_dev_cluster
 
@@ -14,3 +15,11 @@ def dev_cluster() -> None:
     problem = check_dev_cluster(min_nodes=2)
     if problem:
         pytest.fail(problem, pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray for one test module (4 logical CPUs: room for 2 ranks and a driver)."""
+    ray.init(num_cpus=4, include_dashboard=False)
+    yield
+    ray.shutdown()

@@ -11,10 +11,7 @@ One sequence of backends (each costs ~20 s to start on 2 cores) feeds every test
 
 from __future__ import annotations
 
-import random
-
 import pytest
-import ray
 import torch
 from milepost.core.config import AlgoConfig, TrainConfig
 from milepost.core.model.loading import load_causal_lm
@@ -23,6 +20,7 @@ from milepost.core.train.batch import collate
 from milepost.core.train.factory import create_backend
 from milepost.core.train.logprobs import response_logprobs
 from milepost.core.types import Sample
+from tinymodels import random_train_samples, save_tiny_qwen2
 from safetensors.torch import load_file
 
 VOCAB = 31  # padded to 128 inside megatron: export must drop the padding
@@ -38,38 +36,12 @@ MAX_ATOL, BULK_ATOL, BULK_FRACTION = LR / 10, 1e-6, 0.999
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=4, include_dashboard=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def model_path(tmp_path_factory) -> str:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=128, pad_token_id=0, eos_token_id=1,
-                      bos_token_id=1, tie_word_embeddings=True)
-    path = tmp_path_factory.mktemp("tiny_qwen2")
-    Qwen2ForCausalLM(cfg).float().save_pretrained(path)
-    return str(path)
+    return save_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"), seed=0, vocab=VOCAB, tie_embeddings=True)
 
 
 def make_samples(n: int, seed: int) -> list[Sample]:
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        prompt = [rng.randrange(2, VOCAB) for _ in range(rng.randint(2, 6))]
-        resp = [rng.randrange(2, VOCAB) for _ in range(rng.randint(1, 7))]
-        mask = [1] * len(resp)
-        if len(resp) > 2:
-            mask[-1] = 0
-        out.append(Sample(prompt_index=i // 3, group_index=i // 3, prompt_ids=prompt, response_ids=resp,
-                          engine_logprobs=[-3.5 + rng.uniform(-0.3, 0.3) for _ in resp], loss_mask=mask,
-                          finish_reason="stop", weight_version="0", label="", reward=rng.random(),
-                          advantage=rng.uniform(-1.0, 1.0)))
-    return out
+    return random_train_samples(n, seed, VOCAB)
 
 
 S1, S2 = make_samples(10, seed=1), make_samples(9, seed=2)

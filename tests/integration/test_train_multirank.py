@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
-import ray
 import torch
 
 from milepost.core.config import AlgoConfig, TrainConfig
@@ -15,44 +12,19 @@ from milepost.core.train.batch import collate
 from milepost.core.train.logprobs import response_logprobs
 from milepost.core.train.torch_backend import TorchBackend, state_sha256
 from milepost.core.types import Sample
+from tinymodels import random_train_samples, save_tiny_qwen2
 
 VOCAB = 32
 TEMPERATURE = 0.7
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=4, include_dashboard=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def model_path(tmp_path_factory) -> str:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=128, pad_token_id=0, eos_token_id=1,
-                      bos_token_id=1)
-    path = tmp_path_factory.mktemp("tiny_qwen2")
-    Qwen2ForCausalLM(cfg).float().save_pretrained(path)
-    return str(path)
+    return save_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"), seed=0, vocab=VOCAB, tie_embeddings=False)
 
 
 def make_samples(n: int, seed: int) -> list[Sample]:
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        prompt = [rng.randrange(2, VOCAB) for _ in range(rng.randint(2, 6))]
-        resp = [rng.randrange(2, VOCAB) for _ in range(rng.randint(1, 7))]
-        mask = [1] * len(resp)
-        if len(resp) > 2:
-            mask[-1] = 0  # a response token without loss
-        out.append(Sample(prompt_index=i // 3, group_index=i // 3, prompt_ids=prompt, response_ids=resp,
-                          engine_logprobs=[-3.5 + rng.uniform(-0.3, 0.3) for _ in resp], loss_mask=mask,
-                          finish_reason="stop", weight_version="0", label="", reward=rng.random(),
-                          advantage=rng.uniform(-1.0, 1.0)))
-    return out
+    return random_train_samples(n, seed, VOCAB)
 
 
 def make_backend(model_path: str, num_ranks: int, micro_batch_size: int, **train_kw) -> TorchBackend:

@@ -1,9 +1,11 @@
-"""Shared by the engine-level integration tests: a tiny random Qwen2 saved in HF format, and
-built-in engine server processes started and stopped by pid (never by name)."""
+"""Shared by the integration tests: a tiny random Qwen2 saved in HF format, random training
+samples for it, and built-in engine server processes started and stopped by pid (never by
+name)."""
 
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -15,6 +17,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from milepost.core.engine.client import EngineClient
 from milepost.core.engine.router import free_port
+from milepost.core.types import Sample
 
 
 def save_tiny_qwen2(path: Path, seed: int, vocab: int = 32, tie_embeddings: bool = False,
@@ -26,6 +29,25 @@ def save_tiny_qwen2(path: Path, seed: int, vocab: int = 32, tie_embeddings: bool
                       tie_word_embeddings=tie_embeddings, eos_token_id=1, pad_token_id=0)
     Qwen2ForCausalLM(cfg).save_pretrained(path)
     return str(path)
+
+
+def random_train_samples(n: int, seed: int, vocab: int) -> list[Sample]:
+    """Training samples over a tiny vocabulary: groups of 3, random prompts and responses (the
+    last response token of longer ones without loss), engine logprobs near -3.5, rewards and
+    advantages in [0, 1) and [-1, 1)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        prompt = [rng.randrange(2, vocab) for _ in range(rng.randint(2, 6))]
+        resp = [rng.randrange(2, vocab) for _ in range(rng.randint(1, 7))]
+        mask = [1] * len(resp)
+        if len(resp) > 2:
+            mask[-1] = 0  # a response token without loss
+        out.append(Sample(prompt_index=i // 3, group_index=i // 3, prompt_ids=prompt, response_ids=resp,
+                          engine_logprobs=[-3.5 + rng.uniform(-0.3, 0.3) for _ in resp], loss_mask=mask,
+                          finish_reason="stop", weight_version="0", label="", reward=rng.random(),
+                          advantage=rng.uniform(-1.0, 1.0)))
+    return out
 
 
 def start_engines(model_path: str, log_dir: Path, count: int = 1, *extra_args: str,

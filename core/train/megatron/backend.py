@@ -140,12 +140,3 @@ class MegatronBackend(Rank0WeightSource):
                                       "use sync.transport=disk")
         group = [a for a, i in zip(self.actors, self.infos) if i["dp_rank"] == 0]  # rank 0's TP group
         ray.get([a.stage_weights.remote(names) for a in group], timeout=timeout_s)
-
-    def shutdown(self) -> None:
-        try:
-            ray.get([a.shutdown.remote() for a in self.actors], timeout=60)
-        except Exception:
-            pass  # an actor that is already gone has no group to destroy
-        for a in self.actors:
-            ray.kill(a)
-        self.actors = []

@@ -9,17 +9,16 @@ stops the schedule from dividing by the number of micro-batches and makes Megatr
 gradients over data-parallel ranks, and `num_tokens=None` in finalize_model_grads stops the
 per-token rescale, so the gradient is exactly that of the full-batch token mean.
 
-LR: the torch backend's `lr_lambda` multiplier, set on every param group before each step.
+LR: the `lr_lambda` multiplier (core/train/schedule.py, shared with the torch backend), set on
+every param group before each step.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
-import math
 import os
 import random
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -44,26 +43,11 @@ from milepost.core.train.megatron.step import (
     micro_batch_loss,
     response_logprobs,
 )
+from milepost.core.train.schedule import lr_lambda
 from milepost.core.train.weight_source import SenderRank
 from milepost.core.types import Sample
 
 PG_TIMEOUT = datetime.timedelta(minutes=10)
-
-
-def lr_lambda(schedule: str, warmup_steps: int, total_steps: int | None) -> Callable[[int], float]:
-    """torch_backend.lr_lambda, restated: that module imports Ray, which this worker must not
-    need (the GPU benchmark runs it in-process). test_megatron_backend compares train/lr."""
-    if schedule != "constant" and total_steps is None:
-        raise ValueError(f"train.lr_schedule={schedule} needs total_steps")
-
-    def mult(s: int) -> float:
-        if s < warmup_steps:
-            return (s + 1) / warmup_steps
-        if schedule == "constant":
-            return 1.0
-        progress = min(1.0, (s - warmup_steps) / max(1, total_steps - warmup_steps))
-        return 0.5 * (1.0 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
-    return mult
 
 
 def use_fused_adam(optimizer: Any) -> None:
