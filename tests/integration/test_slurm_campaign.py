@@ -3,7 +3,8 @@
 1. `milepost run … --set cluster.executor=slurm --set cluster.num_nodes=2` completes; every
    stage is a Slurm job that `sacct` lists; the block's Ray cluster has 2 nodes; the result
    is bitwise the local executor's (sync mode is deterministic). The per-stage timings of
-   both runs go to bench/results/slurm_overhead.txt.
+   both runs are printed; with MILEPOST_SLURM_OVERHEAD_OUT=bench/results/slurm_overhead.txt
+   (on a quiet machine) they are recorded there.
 2. Cancelling a block's allocation stops its Ray processes, engine and router (by pid),
    and leaves another campaign's Ray cluster running.
 3. The train stage's job is preempted the way submitit's `_interrupt()` does it (TERM, then
@@ -135,7 +136,9 @@ def test_slurm_campaign_matches_local_and_every_stage_is_in_sacct(dev_cluster, r
              "# on the 2-node dev cluster (2 cores in all) vs the local executor, same recipe and seed,",
              "# model already built. Driver-side wall times; a gap = job start-up + imports + joining Ray.",
              *_overhead_lines("local", local), *_overhead_lines("slurm", slurm)]
-    (ROOT / "bench/results/slurm_overhead.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    if out := os.environ.get("MILEPOST_SLURM_OVERHEAD_OUT"):  # a recorded measurement, not every test run
+        Path(out).write_text("\n".join(lines) + "\n")
 
 
 def _alive(pids: list[int]) -> list[int]:
@@ -162,7 +165,7 @@ def test_cancelling_the_allocation_stops_its_block_and_nothing_else(dev_cluster,
 
     os.environ["MILEPOST_CACHE"] = str(tmp_path / "cache")
     mine = prepare_campaign(load_recipe(ROOT / "recipes/tiny-arith.yaml", OVERRIDES + SLURM), str(tmp_path / "a"))
-    other = prepare_campaign(load_recipe(ROOT / "recipes/tiny-arith.yaml", OVERRIDES), str(tmp_path / "b"))
+    prepare_campaign(load_recipe(ROOT / "recipes/tiny-arith.yaml", OVERRIDES), str(tmp_path / "b"))
     runner = BlockRunner(mine.recipe, mine.store, show_progress=False)
     run_stage(str(tmp_path / "b"), 0, "launch_ray")  # another campaign's Ray cluster on this machine
     try:
