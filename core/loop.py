@@ -166,7 +166,8 @@ class RLLoop:
             self.state.step = step
             self.ahead.advance(self.state.policy_version)
         self._prune_exports(keep=export)
-        return {**{k: v for k, v in metrics.items() if not k.endswith("seconds")}, "timing/push_wait_rollout_s": waited_s}
+        kept = {k: v for k, v in metrics.items() if not k.endswith("seconds")}
+        return {**kept, "timing/push_wait_rollout_s": waited_s}
 
     def _prune_exports(self, keep: Path) -> None:
         import shutil
