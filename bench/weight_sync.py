@@ -29,7 +29,7 @@ import ray
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from milepost.core.config import AlgoConfig, TrainConfig
+from milepost.core.config import AlgoConfig, SyncConfig, TrainConfig
 from milepost.core.engine.client import EngineClient
 from milepost.core.engine.router import free_port
 from milepost.core.train.torch_backend import TorchBackend
@@ -78,30 +78,31 @@ class CopyBaseline:
         return best
 
 
-def _gloo_rank(rank: int, port: int, nbytes: int, out: str) -> None:
+def _gloo_rank(rank: int, port: int, nbytes: int, out: str, streams: int) -> None:
     import torch.distributed as dist
-    from milepost.core.weight_sync import wire
+    from milepost.core.weight_sync import groups
     torch.set_num_threads(1)
-    pg = wire.init_weight_group("127.0.0.1", port, rank, 2, "bench", 120)
+    pg = groups.init_weight_group("127.0.0.1", port, rank, 2, "bench", 120, streams=streams)
     t = torch.ones(nbytes // 4) if rank == 0 else torch.empty(nbytes // 4)
     times = []
-    for _ in range(4):
+    for _ in range(6):
         dist.barrier(group=pg)
         t0 = time.perf_counter()
-        dist.broadcast(t, src=0, group=pg)
+        for w in [dist.broadcast(piece, src=0, group=pg, async_op=True) for piece in t.chunk(streams)]:
+            w.wait()
         times.append(time.perf_counter() - t0)
     dist.barrier(group=pg)
     if rank == 1:
         Path(out).write_text(str(nbytes / statistics.median(times[1:]) / 1e9))
-    dist.destroy_process_group(pg)
+    groups.destroy_weight_group(pg)
 
 
-def raw_gloo_gb_per_s(nbytes: int, tmp: Path) -> float:
-    """One gloo broadcast of the same bytes between two plain processes (no HTTP, no Ray):
-    the ceiling of the distributed transport on this machine."""
+def raw_gloo_gb_per_s(nbytes: int, tmp: Path, streams: int) -> float:
+    """The same bytes broadcast between two plain processes (no HTTP, no Ray), cut into one
+    piece per stream: the ceiling of the distributed transport on this machine."""
     import torch.multiprocessing as mp
     out = tmp / "gloo.txt"
-    mp.spawn(_gloo_rank, args=(free_port(), nbytes, str(out)), nprocs=2)
+    mp.spawn(_gloo_rank, args=(free_port(), nbytes, str(out), streams), nprocs=2)
     return float(out.read_text())
 
 
@@ -142,6 +143,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bucket-mb", type=float, default=512.0, help="sync.bucket_mb (its default)")
+    ap.add_argument("--gloo-streams", type=int, default=SyncConfig().gloo_streams,
+                    help="sync.gloo_streams (its default); the 1-stream row runs beside it")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     lines: list[str] = []
@@ -157,7 +160,8 @@ def main() -> None:
     say(f"# {time.strftime('%Y-%m-%d %H:%M')}: python bench/weight_sync.py {' '.join(sys.argv[1:])}")
     say(f"# weight sync bench: Qwen2 {args.layers} layers, hidden {args.hidden}, fp32, "
         f"{nbytes / 2**20:.0f} MiB of weights; {os.cpu_count()} cores; trainer: 1 Ray actor (1 torch "
-        "thread, tensor copies on 2 threads); 1 engine process")
+        f"thread, tensor copies on 2 threads); 1 engine process; distributed over {args.gloo_streams} gloo "
+        "stream(s) unless its row says otherwise")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     # one torch thread (the default): a 2-thread torch copy of many tensors stalls whenever the
     # other core is busy (1.1 vs 10 GB/s measured); WeightSender splits its copy its own way
@@ -175,13 +179,17 @@ def main() -> None:
             return {"seconds": time.perf_counter() - t0, "send_seconds": metrics["sync/seconds"]}
 
         copy = CopyBaseline(nbytes)
-        gloo = raw_gloo_gb_per_s(nbytes, tmp)
+        gloo = {n: raw_gloo_gb_per_s(nbytes, tmp, n) for n in sorted({1, args.gloo_streams})}
         results["disk (export + load)"] = timed_pushes(disk_push, args.repeats, "disk", copy)
         outputs["disk"] = [o["output_ids"] for o in client.generate(PROMPTS, GREEDY)]
         transports = {
             "tensor": build_transport("tensor", timeout_s=600, bucket_mb=args.bucket_mb),
-            "distributed (per tensor)": build_transport("distributed", timeout_s=600, bucket_mb=args.bucket_mb),
-            "distributed (flattened)": DistributedTransport(600, args.bucket_mb, flattened=True),
+            "distributed (per tensor)": build_transport("distributed", timeout_s=600, bucket_mb=args.bucket_mb,
+                                                        gloo_streams=args.gloo_streams),
+            "distributed (1 stream)": build_transport("distributed", timeout_s=600, bucket_mb=args.bucket_mb,
+                                                      gloo_streams=1),
+            "distributed (flattened)": DistributedTransport(600, args.bucket_mb, flattened=True,
+                                                            gloo_streams=args.gloo_streams),
         }
         for name, transport in transports.items():
             def push(version: str, transport: Any = transport) -> dict[str, float]:
@@ -203,7 +211,7 @@ def main() -> None:
         Path(args.out).write_text("\n".join(lines) + "\n")
 
 
-def report(say: Callable[[str], None], nbytes: int, copy: CopyBaseline, gloo: float,
+def report(say: Callable[[str], None], nbytes: int, copy: CopyBaseline, gloo: dict[int, float],
            results: dict[str, dict[str, Any]], outputs: dict[str, Any], args: argparse.Namespace,
            load_before: tuple[float, ...]) -> None:
     spans = ", ".join(f"{t} thread{'s' * (t > 1)} {min(v):.2f}-{max(v):.2f} GB/s" for t, v in copy.samples.items())
@@ -222,8 +230,13 @@ def report(say: Callable[[str], None], nbytes: int, copy: CopyBaseline, gloo: fl
         verdict = "met" if r["ratio"] >= target else ("met for the send phase only" if r["send_ratio"] >= target
                                                       else "NOT met")
         say(f"# target {name} >= {target:.0%} of copy: {verdict} (push {r['ratio']:.0%}, send {r['send_ratio']:.0%})")
-    say(f"# raw gloo broadcast of the same bytes between two plain processes: {gloo:.2f} GB/s "
-        f"(distributed per tensor reaches {nbytes / results['distributed (per tensor)']['s'] / 1e9 / gloo:.0%} of it)")
+    per_tensor, one = results["distributed (per tensor)"], results["distributed (1 stream)"]
+    say(f"# gloo streams: distributed per tensor over {args.gloo_streams} vs 1: {one['s'] / per_tensor['s']:.2f}x "
+        "(push time, same run)")
+    for n, gbs in gloo.items():
+        row = per_tensor if n == args.gloo_streams else one
+        say(f"# raw gloo broadcast of the same bytes between two plain processes, {n} stream(s): {gbs:.2f} GB/s "
+            f"(distributed per tensor over {n} reaches {nbytes / row['s'] / 1e9 / gbs:.0%} of it)")
     same = all(v == outputs["disk"] for v in outputs.values())
     say(f"# greedy outputs after every transport equal those after the disk load: {same}")
     say(f"# load average (1/5/15 min) before: {' '.join(f'{x:.2f}' for x in load_before)}; "

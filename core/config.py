@@ -176,6 +176,9 @@ class SyncConfig(Section):
                             "buckets. distributed (disaggregated): broadcast from trainer rank 0.")
     timeout_s: float = Field(120.0, gt=0, description="Bound on one push attempt, every step included.")
     bucket_mb: float = Field(512.0, gt=0, description="Bucket size of the tensor and distributed transports.")
+    gloo_streams: int = Field(
+        4, ge=1, le=16, description="distributed over gloo (CPU): TCP connections from the trainer to each "
+                                    "engine (fewer if an engine takes fewer; SGLang takes 1). nccl ignores it.")
 
 
 class CheckpointConfig(Section):

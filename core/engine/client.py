@@ -101,11 +101,16 @@ class EngineClient:
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str = "weight_update_group",
-                                  backend: str = "nccl", timeout_s: float | None = None) -> dict[str, Any]:
-        """Returns once every rank joined (the trainer, rank 0, must join meanwhile)."""
-        return self._control("/init_weights_update_group", {
-            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-            "world_size": world_size, "group_name": group_name, "backend": backend}, timeout_s)
+                                  backend: str = "nccl", timeout_s: float | None = None,
+                                  gloo_streams: int = 1) -> dict[str, Any]:
+        """Returns once every rank joined (the trainer, rank 0, must join meanwhile).
+        `gloo_streams` > 1 (milepost's extension, sent only then) asks for that many gloo
+        connections; only engines whose /server_info names `max_gloo_streams` take it."""
+        body = {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+                "world_size": world_size, "group_name": group_name, "backend": backend}
+        if gloo_streams > 1:
+            body["gloo_streams"] = gloo_streams
+        return self._control("/init_weights_update_group", body, timeout_s)
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                         group_name: str = "weight_update_group",
@@ -161,8 +166,8 @@ class EngineClient:
     def model_info(self, timeout_s: float | None = None) -> dict[str, Any]:
         return self._call("GET", "/model_info", None, timeout_s)
 
-    def server_info(self) -> dict[str, Any]:
-        return self._call("GET", "/server_info")
+    def server_info(self, timeout_s: float | None = None) -> dict[str, Any]:
+        return self._call("GET", "/server_info", None, timeout_s)
 
     def close(self) -> None:
         self._http.close()

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from milepost.core.weight_sync import wire
+from milepost.core.weight_sync import groups, wire
 
 if TYPE_CHECKING:
     from milepost.core.engine.weight_receiver import WeightReceiver
@@ -30,19 +30,19 @@ class GroupReceiver:
         self._flat: torch.Tensor | None = None  # reused receive buffer of flattened buckets
 
     def init(self, address: str, port: int, rank: int, world_size: int, group_name: str,
-             backend: str) -> tuple[int, str]:
+             backend: str, streams: int = 1) -> tuple[int, str]:
         if group_name in self._groups:
             return 400, f"group {group_name} exists: destroy it first"
-        self._groups[group_name] = wire.init_weight_group(address, port, rank, world_size, group_name,
-                                                          self.receiver.group_timeout_s, backend)
-        return 200, f"joined {group_name} as rank {rank} of {world_size}"
+        self._groups[group_name] = groups.init_weight_group(address, port, rank, world_size, group_name,
+                                                            self.receiver.group_timeout_s, backend, streams)
+        return 200, f"joined {group_name} as rank {rank} of {world_size} ({streams} stream(s))"
 
     def destroy(self, group_name: str) -> tuple[int, str]:
         pg = self._groups.pop(group_name, None)
         self._broken.pop(group_name, None)
         if pg is None:
             return 400, f"no group {group_name}"
-        wire.destroy_weight_group(pg)
+        groups.destroy_weight_group(pg)
         return 200, f"destroyed {group_name}"
 
     def receive(self, specs: list[wire.Spec], group_name: str, flattened: bool) -> str:

@@ -28,6 +28,7 @@ from milepost.core.engine.generation import Generator, SamplingParams, Sequence,
 from milepost.core.engine.memory import MemoryOccupation, parse_tags
 from milepost.core.engine.weight_receiver import WeightReceiver
 from milepost.core.engine.weight_routes import add_weight_routes, client_gone
+from milepost.core.weight_sync.groups import MAX_GLOO_STREAMS
 
 log = logging.getLogger("milepost.engine")
 
@@ -454,7 +455,8 @@ def create_app(sched: Scheduler) -> FastAPI:
     @app.get("/get_server_info")
     async def server_info() -> Any:
         return {"model_path": sched.model_path, "served_model_name": sched.model_path, "dp_size": 1,
-                "tp_size": 1, "weight_version": sched.weight_version, "max_batch_size": sched.max_batch_size}
+                "tp_size": 1, "weight_version": sched.weight_version, "max_batch_size": sched.max_batch_size,
+                "max_gloo_streams": MAX_GLOO_STREAMS}  # /init_weights_update_group takes `gloo_streams`
 
     @app.get("/get_load")
     async def get_load() -> Any:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from milepost.core.weight_sync import wire
+from milepost.core.weight_sync import groups, wire
 
 SHM_PREFIX = "milepost-w-"
 MAX_FILES_PER_BUCKET = 4  # engines hold one set (served) and maybe one staged; more means a leak
@@ -186,11 +186,11 @@ class WeightSender:
 
     # ---- distributed transport ----
     def init_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
-                   timeout_s: float) -> None:
+                   timeout_s: float, backend: str = "gloo", streams: int = 1) -> None:
         if group_name in self._groups:
             raise ValueError(f"weight-update group {group_name} exists; destroy it first")
-        self._groups[group_name] = wire.init_weight_group(master_address, master_port, 0, world_size,
-                                                          group_name, timeout_s)
+        self._groups[group_name] = groups.init_weight_group(master_address, master_port, 0, world_size,
+                                                            group_name, timeout_s, backend, streams)
 
     def broadcast(self, names: list[str], group_name: str, flattened: bool) -> None:
         """Broadcast one bucket from rank 0; returns when every engine has it (or the
@@ -215,4 +215,4 @@ class WeightSender:
     def destroy_group(self, group_name: str) -> None:
         pg = self._groups.pop(group_name, None)
         if pg is not None:
-            wire.destroy_weight_group(pg)
+            groups.destroy_weight_group(pg)

@@ -34,8 +34,9 @@ class SenderRank:
         return ray.util.get_node_ip_address(), self.free_port()
 
     def init_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
-                          timeout_s: float) -> None:
-        self._weight_sender().init_group(master_address, master_port, world_size, group_name, timeout_s)
+                          timeout_s: float, backend: str = "gloo", streams: int = 1) -> None:
+        self._weight_sender().init_group(master_address, master_port, world_size, group_name, timeout_s,
+                                         backend, streams)
 
     def broadcast_weights(self, names: list[str], group_name: str, flattened: bool) -> None:
         self._weight_sender().broadcast(names, group_name, flattened)
@@ -88,9 +89,9 @@ class Rank0WeightSource(RankActors):
         return self._on_rank0("weight_group_address", timeout_s=timeout_s)
 
     def init_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
-                          timeout_s: float = 60.0) -> None:
+                          timeout_s: float = 60.0, backend: str = "gloo", streams: int = 1) -> None:
         self._on_rank0("init_weight_group", master_address, master_port, world_size, group_name, timeout_s,
-                       timeout_s=timeout_s)
+                       backend, streams, timeout_s=timeout_s)
 
     def broadcast_weights(self, names: list[str], group_name: str, flattened: bool, timeout_s: float = 60.0) -> None:
         self._stage(names, timeout_s)

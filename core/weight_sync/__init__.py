@@ -22,17 +22,18 @@ TRANSPORTS = ("disk", "tensor", "distributed")
 
 
 def build_transport(name: "str | SyncConfig", timeout_s: float = 120.0, bucket_mb: float = 512.0,
-                    num_attempts: int = 2, pause_mode: str = "abort") -> WeightTransport:
+                    num_attempts: int = 2, pause_mode: str = "abort",
+                    gloo_streams: int = SyncConfig.model_fields["gloo_streams"].default) -> WeightTransport:
     """The transport `name` (sync.transport), or the one a whole `SyncConfig` describes
-    (its timeout_s and bucket_mb then win). `timeout_s` bounds each push attempt."""
+    (its timeout_s, bucket_mb and gloo_streams then win). `timeout_s` bounds each push attempt."""
     if isinstance(name, SyncConfig):
-        name, timeout_s, bucket_mb = name.transport, name.timeout_s, name.bucket_mb
+        name, timeout_s, bucket_mb, gloo_streams = name.transport, name.timeout_s, name.bucket_mb, name.gloo_streams
     if name == "disk":
         return DiskTransport(num_attempts, timeout_s, pause_mode)
     if name == "tensor":
         return TensorTransport(timeout_s, bucket_mb, num_attempts, pause_mode)
     if name == "distributed":
-        return DistributedTransport(timeout_s, bucket_mb, num_attempts, pause_mode)
+        return DistributedTransport(timeout_s, bucket_mb, num_attempts, pause_mode, gloo_streams=gloo_streams)
     raise ValueError(f"sync.transport `{name}` is not available; use one of {', '.join(TRANSPORTS)}")
 
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from milepost.core.engine.client import EngineClient
-from milepost.core.weight_sync import wire
+from milepost.core.weight_sync import groups, wire
 from milepost.core.weight_sync.base import Deadline, WeightSource, best_effort, log, on_engines, result
 from milepost.core.weight_sync.session import SessionTransport
 
@@ -20,17 +21,23 @@ class DistributedTransport(SessionTransport):
     Buckets go one at a time, each in the same order on both sides. The trainer's side of
     the group times out after `timeout_s`, so a broadcast to a dead engine ends.
     `flattened`: one broadcast per bucket (load_format flattened_bucket) instead of one per
-    tensor; `group_backend`: gloo on CPU, nccl for SGLang on GPUs.
+    tensor; `group_backend`: gloo on CPU, nccl for SGLang on GPUs. `gloo_streams`: TCP
+    connections of a gloo group (groups.py says why more than one); the group gets the
+    count every engine accepts (agree_streams), and per-tensor buckets are reordered so each
+    connection carries about the same bytes.
     """
 
     name = "distributed"
 
     def __init__(self, timeout_s: float = 120.0, bucket_mb: float = 512.0, num_attempts: int = 2,
                  pause_mode: str = "abort", cleanup_timeout_s: float = 5.0, flattened: bool = False,
-                 group_backend: str = "gloo") -> None:
+                 group_backend: str = "gloo", gloo_streams: int = 1) -> None:
         super().__init__(timeout_s, bucket_mb, num_attempts, pause_mode, cleanup_timeout_s)
-        self.flattened, self.group_backend = flattened, group_backend
+        if not 1 <= gloo_streams <= groups.MAX_GLOO_STREAMS:
+            raise ValueError(f"sync.gloo_streams={gloo_streams}: use 1 to {groups.MAX_GLOO_STREAMS}")
+        self.flattened, self.group_backend, self.gloo_streams = flattened, group_backend, gloo_streams
         self._group: tuple[str, tuple[str, ...]] | None = None  # (name, engine urls)
+        self._streams = 1  # of the current group
         self._clients: list[EngineClient] = []
 
     def _prepare(self, pool: ThreadPoolExecutor, clients: list[EngineClient], backend: WeightSource,
@@ -40,14 +47,21 @@ class DistributedTransport(SessionTransport):
             return
         if self._group is not None:
             self._destroy(pool, self._clients, backend)
+        streams = 1
+        if self.group_backend == "gloo" and self.gloo_streams > 1:
+            infos = on_engines(pool, clients, "server_info", lambda c: c.server_info(timeout_s=deadline.left()),
+                               deadline)
+            streams = agree_streams(self.gloo_streams, infos)
         name, world = f"milepost_wu_{uuid.uuid4().hex[:8]}", len(clients) + 1
         address, port = backend.weight_group_address(timeout_s=deadline.left())
         self._group, self._clients = (name, urls), list(clients)  # set first: a failure destroys it
+        self._streams = streams
         # the group's timeout (every later broadcast too) is a whole attempt's
-        trainer = pool.submit(lambda: backend.init_weight_group(address, port, world, name, timeout_s=self.timeout_s))
+        trainer = pool.submit(lambda: backend.init_weight_group(address, port, world, name, timeout_s=self.timeout_s,
+                                                                backend=self.group_backend, streams=streams))
         on_engines(pool, clients, "init_weights_update_group", lambda c: c.init_weights_update_group(
-            address, port, 1 + clients.index(c), world, name, self.group_backend, timeout_s=deadline.left()),
-            deadline)
+            address, port, 1 + clients.index(c), world, name, self.group_backend, timeout_s=deadline.left(),
+            gloo_streams=streams), deadline)
         result(trainer, deadline, "trainer joining the weight-update group")
 
     def _send(self, pool: ThreadPoolExecutor, clients: list[EngineClient], backend: WeightSource,
@@ -58,6 +72,8 @@ class DistributedTransport(SessionTransport):
         flush = self.pause_mode != "in_place"
         nbytes = 0
         for i, bucket in enumerate(self.plan(backend, deadline)):
+            if not self.flattened:  # a flattened bucket is one broadcast: its order does not matter
+                bucket = groups.interleave(bucket, self._streams)
             names = [s["name"] for s in bucket]
             dtypes, shapes = [s["dtype"] for s in bucket], [s["shape"] for s in bucket]
             sender = pool.submit(lambda: backend.broadcast_weights(names, group, self.flattened,
@@ -97,3 +113,10 @@ class DistributedTransport(SessionTransport):
         if self._group is not None and self.backend is not None:
             with ThreadPoolExecutor(max_workers=len(self._clients) + 1) as pool:
                 self._destroy(pool, self._clients, self.backend)
+
+
+def agree_streams(wanted: int, server_infos: list[dict[str, Any]]) -> int:
+    """The gloo connections a group can have: `wanted`, capped by what every engine's
+    /server_info says it takes (`max_gloo_streams`; an engine that does not name it, e.g.
+    SGLang, takes the one connection of the protocol)."""
+    return max(1, min([wanted] + [int(info.get("max_gloo_streams", 1)) for info in server_infos]))

@@ -1,8 +1,8 @@
 """What travels between trainer and engine in the tensor and distributed transports.
 
-Shared by both sides (the engine imports only this module of the package): dtype names,
-bucket plans, the shared-memory descriptor sent as `serialized_named_tensors`, named
-/dev/shm buffers, and the weight-update process group.
+Shared by both sides (the engine imports only this module and groups.py of the package):
+dtype names, bucket plans, the shared-memory descriptor sent as `serialized_named_tensors`
+and named /dev/shm buffers. The weight-update process group is in groups.py.
 
 A bucket plan is a list of buckets; a bucket is a list of specs {"name", "dtype", "shape"}
 in the order the bytes travel. As in SGLang's FlattenedTensorBucket, a bucket holds one
@@ -26,7 +26,6 @@ engine's CPU equivalent (JSON, not pickle, so a request can never run code).
 from __future__ import annotations
 
 import base64
-import datetime
 import fcntl
 import json
 import math
@@ -177,24 +176,3 @@ def view(buf: torch.Tensor, offset: int, spec: Spec) -> torch.Tensor:
     n = spec_nbytes(spec)
     return buf[offset:offset + n].view(parse_dtype(spec["dtype"])).view(spec["shape"])
 
-
-def init_weight_group(master_address: str, master_port: int, rank: int, world_size: int,
-                      group_name: str, timeout_s: float, backend: str = "gloo") -> Any:
-    """A process group beside any default group this process has (SGLang's pattern:
-    rendezvous + _new_process_group_helper). Rank 0 hosts the TCP store."""
-    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper,
-                                                    _world, rendezvous)
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
-                                              timeout=timeout))
-    store.set_timeout(timeout)
-    store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
-                                      backend_options=None, timeout=timeout)
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg
-
-
-def destroy_weight_group(pg: Any) -> None:
-    import torch.distributed as dist
-    dist.destroy_process_group(pg)

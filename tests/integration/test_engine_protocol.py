@@ -163,4 +163,17 @@ def test_health_and_info(engine, router) -> None:
     assert httpx.get(f"{engine.base_url}/get_load", timeout=5).json()[0]["num_tokens"] >= 0
     server = httpx.get(f"{engine.base_url}/get_server_info", timeout=5).json()
     assert server["dp_size"] == 1 and server["tp_size"] == 1
+    assert server["max_gloo_streams"] > 1  # the trainer may ask /init_weights_update_group for more
     assert httpx.post(f"{router.url}/flush_cache", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("change,named", [
+    ({"gloo_streams": 0}, "gloo_streams"), ({"gloo_streams": 99}, "gloo_streams"),
+    ({"gloo_streams": "4"}, "gloo_streams"), ({"backend": "nccl"}, "gloo"), ({"world_size": None}, "world_size"),
+])
+def test_bad_weight_group_requests_are_400(engine, change, named) -> None:
+    """Refused before any rendezvous: nothing waits for a trainer."""
+    body = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2,
+            "group_name": "bad", "backend": "gloo", **change}
+    reply = httpx.post(f"{engine.base_url}/init_weights_update_group", json=body, timeout=10)
+    assert reply.status_code == 400 and named in reply.json()["message"], reply.text

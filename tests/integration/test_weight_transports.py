@@ -6,17 +6,23 @@ from __future__ import annotations
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import httpx
 import pytest
 import ray
+import torch
+import torch.distributed as dist
 
-from milepost.core.config import AlgoConfig, TrainConfig
+from milepost.core.config import AlgoConfig, RolloutConfig, TrainConfig
 from milepost.core.engine.client import EngineClient, EngineError
+from milepost.core.engine.fleet import Fleet, FleetTransport
+from milepost.core.engine.router import free_port
 from milepost.core.train.torch_backend import TorchBackend
 from milepost.core.types import Sample
 from milepost.core.weight_sync import (DistributedTransport, TensorTransport, WeightSyncError, build_transport,
-                                      wire)
+                                      groups, wire)
 from milepost.core.weight_sync.base import on_engines
 
 from tinymodels import save_tiny_qwen2, start_engines, stop_engines
@@ -80,8 +86,10 @@ def reference(engines, backend, models, tmp_path_factory):
     lambda: TensorTransport(timeout_s=60),
     lambda: TensorTransport(timeout_s=60, bucket_mb=0.01),  # many buckets: writes overlap reads
     lambda: DistributedTransport(timeout_s=60),
+    lambda: DistributedTransport(timeout_s=60, gloo_streams=4),  # two engines: each stream a full mesh
     lambda: DistributedTransport(timeout_s=60, bucket_mb=0.01, flattened=True),
-], ids=["tensor", "tensor-small-buckets", "distributed", "distributed-flattened-small-buckets"])
+], ids=["tensor", "tensor-small-buckets", "distributed", "distributed-4-streams",
+        "distributed-flattened-small-buckets"])
 def test_push_serves_what_a_disk_load_serves(make, engines, backend, models, reference):
     clients = [c for _, c in engines]
     _load_disk(clients, models[0], "0")
@@ -95,6 +103,34 @@ def test_push_serves_what_a_disk_load_serves(make, engines, backend, models, ref
     finally:
         transport.close()
     assert reference["trained"] != reference["v0"]
+
+
+@pytest.fixture(scope="module")
+def fleet(backend, models):
+    """Two engines as Ray actors behind the real sglang-router, serving v0."""
+    cfg = RolloutConfig(num_engines=2, engine_startup_timeout_s=90.0, request_timeout_s=60.0)
+    f = Fleet.start(models[0], 2, cfg, weight_version="0")
+    yield f
+    f.stop()
+
+
+@pytest.mark.parametrize("name", ["tensor", "distributed"])
+def test_fleet_push_then_generation_through_the_router(name, fleet, backend, reference, tmp_path):
+    """What the loop does: the push goes to each engine of the fleet, generation through the
+    router; the router then serves what a disk load of the trainer's weights serves."""
+    export = str(tmp_path / "export")  # a restarted engine would load this
+    backend.export_hf(export)
+    transport = FleetTransport(fleet, build_transport(name, timeout_s=60))
+    try:
+        for version in (f"{name}-1", f"{name}-2"):
+            transport.push(fleet.clients, export, version, backend=backend)
+            assert fleet.served == (export, version)
+            assert [c.model_info()["weight_version"] for c in fleet.clients] == [version, version]
+            for _ in range(2):  # the router spreads requests: ask it more than once
+                assert [o["output_ids"] for o in fleet.router_client.generate(PROMPTS, GREEDY)] == \
+                    reference["trained"][0]
+    finally:
+        transport.inner.close()
 
 
 @pytest.mark.parametrize("name", ["tensor", "distributed", "disk"])
@@ -175,6 +211,53 @@ def test_mismatched_bucket_is_rejected_and_the_engine_keeps_serving(engines, mod
         os.unlink(wire.shm_path(name))
     assert client.model_info()["weight_version"] == "0"
     assert _outputs([client]) == reference["v0"][:1]
+
+
+def test_mismatched_distributed_bucket_is_rejected_and_the_group_stays_in_step(engines, models, reference):
+    """This process is the trainer (rank 0 of a 2-stream gloo group with one engine). A
+    bucket whose shape does not fit is still received (the broadcast completes), then
+    refused; the session is discarded, and the next bucket in a new session commits."""
+    (_, client), _ = engines
+    _load_disk([client], models[0], "0")
+    group, port = f"milepost_test_{os.getpid()}", free_port()
+    good = {"name": "model.norm.weight", "dtype": "float32", "shape": [64]}
+    bad = {"name": "model.embed_tokens.weight", "dtype": "float32", "shape": [48, 32]}  # really [48, 64]
+    with ThreadPoolExecutor(2) as pool:
+        joined = pool.submit(client.init_weights_update_group, "127.0.0.1", port, 1, 2, group, "gloo",
+                             timeout_s=30, gloo_streams=2)
+        pg = groups.init_weight_group("127.0.0.1", port, 0, 2, group, 30.0, streams=2)
+        assert "2 stream(s)" in joined.result(60)["message"]
+
+        def update(specs: list[dict]) -> Any:
+            """/update_weights_from_distributed while this process broadcasts zeros of the
+            shapes the specs claim; returns the engine's reply (or raises its error)."""
+            reply = pool.submit(client.update_weights_from_distributed, [s["name"] for s in specs],
+                                [s["dtype"] for s in specs], [s["shape"] for s in specs], group, timeout_s=30)
+            for w in [dist.broadcast(torch.zeros(s["shape"]), src=0, group=pg, async_op=True) for s in specs]:
+                w.wait()
+            return reply.result(60)
+
+        try:
+            client.begin_weight_update()
+            update([good])
+            with pytest.raises(EngineError) as err:
+                update([good, bad])
+            assert err.value.status == 400 and "model.embed_tokens.weight" in err.value.message
+            client.update_weight_version("bad")
+            with pytest.raises(EngineError) as err:
+                client.end_weight_update()
+            assert "discarded" in err.value.message
+            assert client.model_info()["weight_version"] == "0"
+            assert _outputs([client]) == reference["v0"][:1]
+            client.begin_weight_update()  # the group is still in step
+            update([good])
+            client.update_weight_version("zeroed-norm")
+            client.end_weight_update()
+            assert client.model_info()["weight_version"] == "zeroed-norm"
+        finally:
+            client.destroy_weights_update_group(group)
+            groups.destroy_weight_group(pg)
+            _load_disk([client], models[0], "0")
 
 
 class HalfBrokenTensorTransport(TensorTransport):

@@ -1,0 +1,96 @@
+"""The weight-update process group, shared by the trainer (rank 0) and the engines.
+
+SGLang's pattern: a rendezvous on the trainer's address, then a process group beside any
+default group the process has. nccl (GPUs, SGLang) goes through torch's own helper.
+
+gloo may run `streams` TCP connections instead of one. Why: on loopback a single gloo
+connection is bound by the sender's core (it copies into the socket and runs the TCP
+receive path for its peer too: measured 100 % system time on the sender, 60 % on the
+receiver). With several connections both cores carry both halves. torch's gloo group
+already supports this (one connection per device, collective k on device k % n), but only
+through GLOO_SOCKET_IFNAME, which is global to the process; here the devices are built
+per group. Both sides must use the same count, or the group never forms: the transport
+agrees on it with every engine first (distributed.agree_streams).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+from milepost.core.weight_sync.wire import Spec, spec_nbytes
+
+MAX_GLOO_STREAMS = 16
+
+
+def init_weight_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
+                      timeout_s: float, backend: str = "gloo", streams: int = 1) -> Any:
+    """Join the group `group_name` as `rank`; rank 0 hosts the TCP store. Returns the
+    process group (for torch.distributed calls with group=...)."""
+    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper,
+                                                    _world, rendezvous)
+    if not 1 <= streams <= MAX_GLOO_STREAMS or (streams > 1 and backend != "gloo"):
+        raise ValueError(f"streams={streams}: use 1 to {MAX_GLOO_STREAMS}, and more than 1 only with gloo")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
+                                              timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    if backend == "gloo":
+        pg = _gloo_group(store, rank, world_size, group_name, timeout, streams)
+    else:
+        pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
+                                          backend_options=None, timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def _gloo_group(store: Any, rank: int, world_size: int, group_name: str, timeout: datetime.timedelta,
+                streams: int) -> Any:
+    """A gloo group with `streams` connections per peer, on the devices torch would pick
+    (GLOO_SOCKET_IFNAME's interfaces, else the host's default), each repeated."""
+    import torch
+    from torch._C._distributed_c10d import ProcessGroup, ProcessGroupGloo
+    from torch.distributed.distributed_c10d import PrefixStore
+    interfaces = [i for i in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if i]
+    opts = ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = [ProcessGroupGloo.create_device(interface=i) if i else ProcessGroupGloo.create_default_device()
+                     for _ in range(streams) for i in (interfaces or [""])]
+    opts._threads = 2 * len(opts._devices)  # torch's default: two workers per device
+    store = PrefixStore(f"{group_name}/", store)
+    gloo = ProcessGroupGloo(store, rank, world_size, opts)
+    pg = ProcessGroup(store, rank, world_size)
+    pg._set_default_backend(ProcessGroup.BackendType.GLOO)
+    pg._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, gloo)
+    pg._set_group_name(group_name)
+    return pg
+
+
+def destroy_weight_group(pg: Any) -> None:
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _world
+    if pg in _world.pg_map:  # made by torch's helper (nccl)
+        dist.destroy_process_group(pg)
+        return
+    _world.pg_group_ranks.pop(pg, None)
+    pg.shutdown()
+
+
+def interleave(specs: list[Spec], streams: int) -> list[Spec]:
+    """Reorder one bucket so that, sent one broadcast per tensor, every stream carries about
+    the same bytes: broadcast k goes over stream k % streams (whatever stream comes first),
+    so each position takes the largest tensor left while its stream is the least loaded,
+    else the smallest. One stream: the order is kept."""
+    if streams <= 1:
+        return list(specs)
+    rest = sorted(specs, key=spec_nbytes, reverse=True)
+    load, out = [0] * streams, []
+    while rest:
+        k = len(out) % streams
+        spec = rest.pop(0) if load[k] <= min(load) else rest.pop()
+        load[k] += spec_nbytes(spec)
+        out.append(spec)
+    return out
+
