@@ -105,34 +105,6 @@ def test_push_serves_what_a_disk_load_serves(make, engines, backend, models, ref
     assert reference["trained"] != reference["v0"]
 
 
-@pytest.fixture(scope="module")
-def fleet(backend, models):
-    """Two engines as Ray actors behind the real sglang-router, serving v0."""
-    cfg = RolloutConfig(num_engines=2, engine_startup_timeout_s=90.0, request_timeout_s=60.0)
-    f = Fleet.start(models[0], 2, cfg, weight_version="0")
-    yield f
-    f.stop()
-
-
-@pytest.mark.parametrize("name", ["tensor", "distributed"])
-def test_fleet_push_then_generation_through_the_router(name, fleet, backend, reference, tmp_path):
-    """What the loop does: the push goes to each engine of the fleet, generation through the
-    router; the router then serves what a disk load of the trainer's weights serves."""
-    export = str(tmp_path / "export")  # a restarted engine would load this
-    backend.export_hf(export)
-    transport = FleetTransport(fleet, build_transport(name, timeout_s=60))
-    try:
-        for version in (f"{name}-1", f"{name}-2"):
-            transport.push(fleet.clients, export, version, backend=backend)
-            assert fleet.served == (export, version)
-            assert [c.model_info()["weight_version"] for c in fleet.clients] == [version, version]
-            for _ in range(2):  # the router spreads requests: ask it more than once
-                assert [o["output_ids"] for o in fleet.router_client.generate(PROMPTS, GREEDY)] == \
-                    reference["trained"][0]
-    finally:
-        transport.inner.close()
-
-
 @pytest.mark.parametrize("name", ["tensor", "distributed", "disk"])
 def test_stopped_engine_fails_within_timeout_and_others_keep_serving(name, engines, backend, models, reference,
                                                                      tmp_path):
@@ -283,3 +255,33 @@ def test_a_refused_bucket_on_one_engine_leaves_every_engine_on_the_old_version(e
     assert clients[1].base_url in str(err.value) and "2 attempt(s)" in str(err.value)  # refused: retried
     assert [c.model_info()["weight_version"] for c in clients] == ["0", "0"]
     assert _outputs(clients) == reference["v0"]
+
+
+@pytest.fixture(scope="module")
+def fleet(backend, models):
+    """Two engines as Ray actors behind the real sglang-router, serving v0. Its tests come
+    last in this module, so its engines do not load the machine during the timing-bound
+    stopped-engine tests."""
+    cfg = RolloutConfig(num_engines=2, engine_startup_timeout_s=90.0, request_timeout_s=60.0)
+    f = Fleet.start(models[0], 2, cfg, weight_version="0")
+    yield f
+    f.stop()
+
+
+@pytest.mark.parametrize("name", ["tensor", "distributed"])
+def test_fleet_push_then_generation_through_the_router(name, fleet, backend, reference, tmp_path):
+    """What the loop does: the push goes to each engine of the fleet, generation through the
+    router; the router then serves what a disk load of the trainer's weights serves."""
+    export = str(tmp_path / "export")  # a restarted engine would load this
+    backend.export_hf(export)
+    transport = FleetTransport(fleet, build_transport(name, timeout_s=60))
+    try:
+        for version in (f"{name}-1", f"{name}-2"):
+            transport.push(fleet.clients, export, version, backend=backend)
+            assert fleet.served == (export, version)
+            assert [c.model_info()["weight_version"] for c in fleet.clients] == [version, version]
+            for _ in range(2):  # the router spreads requests: ask it more than once
+                assert [o["output_ids"] for o in fleet.router_client.generate(PROMPTS, GREEDY)] == \
+                    reference["trained"][0]
+    finally:
+        transport.inner.close()
