@@ -4,7 +4,7 @@ Every endpoint answers {"success", "message"}: 200 on success, 400 for a request
 not fit (bad fields, no session, shapes that do not match), 409/503 when the engine is busy.
 Blocking work runs in a thread; its waits are bounded by the receiver's timeouts.
 One extension of SGLang's bodies: /init_weights_update_group takes `gloo_streams` (TCP
-connections of a gloo group, 1 to MAX_GLOO_STREAMS; /server_info's `max_gloo_streams` tells
+connections of a gloo group, groups.check_streams; /server_info's `max_gloo_streams` tells
 a trainer it may ask).
 """
 
@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 
 from milepost.core.engine.weight_receiver import Reply, WeightReceiver
 from milepost.core.weight_sync import wire
-from milepost.core.weight_sync.groups import MAX_GLOO_STREAMS
+from milepost.core.weight_sync.groups import check_streams
 
 _REQUIRED = object()
 GROUP = "weight_update_group"  # SGLang's default group name
@@ -123,8 +123,7 @@ def add_weight_routes(app: FastAPI, sched: Any, receiver: WeightReceiver) -> Non
             if backend != "gloo":
                 raise FieldError(f"the built-in engine runs on CPU: `backend` must be gloo, got {backend}")
             streams = _field(b, "gloo_streams", int, 1)  # milepost's extension; SGLang has one stream
-            if not 1 <= streams <= MAX_GLOO_STREAMS:
-                raise FieldError(f"`gloo_streams` must be 1 to {MAX_GLOO_STREAMS}, got {streams}")
+            check_streams(streams)  # ValueError: a 400 like a FieldError
             return receiver.groups.init(_field(b, "master_address", str), _field(b, "master_port", int),
                                         _field(b, "rank_offset", int), _field(b, "world_size", int),
                                         _field(b, "group_name", str, GROUP), backend, streams)

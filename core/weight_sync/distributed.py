@@ -33,8 +33,7 @@ class DistributedTransport(SessionTransport):
                  pause_mode: str = "abort", cleanup_timeout_s: float = 5.0, flattened: bool = False,
                  group_backend: str = "gloo", gloo_streams: int = 1) -> None:
         super().__init__(timeout_s, bucket_mb, num_attempts, pause_mode, cleanup_timeout_s)
-        if not 1 <= gloo_streams <= groups.MAX_GLOO_STREAMS:
-            raise ValueError(f"sync.gloo_streams={gloo_streams}: use 1 to {groups.MAX_GLOO_STREAMS}")
+        groups.check_streams(gloo_streams)
         self.flattened, self.group_backend, self.gloo_streams = flattened, group_backend, gloo_streams
         self._group: tuple[str, tuple[str, ...]] | None = None  # (name, engine urls)
         self._streams = 1  # of the current group

@@ -24,14 +24,21 @@ from milepost.core.weight_sync.wire import Spec, spec_nbytes
 MAX_GLOO_STREAMS = 16
 
 
+def check_streams(streams: int) -> None:
+    """ValueError unless `streams` is a connection count a group may have."""
+    if not 1 <= streams <= MAX_GLOO_STREAMS:
+        raise ValueError(f"gloo_streams={streams}: use 1 to {MAX_GLOO_STREAMS}")
+
+
 def init_weight_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
                       timeout_s: float, backend: str = "gloo", streams: int = 1) -> Any:
     """Join the group `group_name` as `rank`; rank 0 hosts the TCP store. Returns the
     process group (for torch.distributed calls with group=...)."""
     from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper,
                                                     _world, rendezvous)
-    if not 1 <= streams <= MAX_GLOO_STREAMS or (streams > 1 and backend != "gloo"):
-        raise ValueError(f"streams={streams}: use 1 to {MAX_GLOO_STREAMS}, and more than 1 only with gloo")
+    check_streams(streams)
+    if streams > 1 and backend != "gloo":
+        raise ValueError(f"streams={streams}: more than 1 only with gloo ({backend} has its own channels)")
     timeout = datetime.timedelta(seconds=timeout_s)
     store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
                                               timeout=timeout))

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from milepost.core.weight_sync import groups, wire
-from milepost.core.weight_sync.distributed import agree_streams
+from milepost.core.weight_sync.distributed import DistributedTransport, agree_streams
 
 
 def _spec(name: str, *shape: int, dtype: str = "float32") -> wire.Spec:
@@ -66,10 +66,12 @@ def test_streams_are_what_every_engine_takes() -> None:
 
 
 def test_bad_stream_counts_are_refused() -> None:
-    with pytest.raises(ValueError, match="streams=0"):
+    with pytest.raises(ValueError, match="gloo_streams=0"):
         groups.init_weight_group("127.0.0.1", 1, 0, 2, "g", 1.0, streams=0)
     with pytest.raises(ValueError, match="only with gloo"):
         groups.init_weight_group("127.0.0.1", 1, 0, 2, "g", 1.0, backend="nccl", streams=2)
+    with pytest.raises(ValueError, match="gloo_streams=17"):
+        DistributedTransport(gloo_streams=17)
 
 
 def _rank(rank: int, port: int, streams: int, out: str) -> None:
