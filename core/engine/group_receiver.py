@@ -25,7 +25,7 @@ class GroupReceiver:
 
     def __init__(self, receiver: "WeightReceiver") -> None:
         self.receiver = receiver
-        self._groups: dict[str, Any] = {}
+        self._groups: dict[str, tuple[Any, int]] = {}  # name → (group, streams)
         self._broken: dict[str, str] = {}
         self._flat: torch.Tensor | None = None  # reused receive buffer of flattened buckets
 
@@ -33,30 +33,32 @@ class GroupReceiver:
              backend: str, streams: int = 1) -> tuple[int, str]:
         if group_name in self._groups:
             return 400, f"group {group_name} exists: destroy it first"
-        self._groups[group_name] = groups.init_weight_group(address, port, rank, world_size, group_name,
-                                                            self.receiver.group_timeout_s, backend, streams)
+        pg = groups.init_weight_group(address, port, rank, world_size, group_name, self.receiver.group_timeout_s,
+                                      backend, streams)
+        self._groups[group_name] = (pg, streams)
         return 200, f"joined {group_name} as rank {rank} of {world_size} ({streams} stream(s))"
 
     def destroy(self, group_name: str) -> tuple[int, str]:
-        pg = self._groups.pop(group_name, None)
+        entry = self._groups.pop(group_name, None)
         self._broken.pop(group_name, None)
-        if pg is None:
+        if entry is None:
             return 400, f"no group {group_name}"
-        groups.destroy_weight_group(pg)
+        groups.destroy_weight_group(entry[0])
         return 200, f"destroyed {group_name}"
 
     def receive(self, specs: list[wire.Spec], group_name: str, flattened: bool) -> str:
         """Receive one bucket and stage it. A bucket that does not fit the model is still
         received (into scratch) and then rejected, so the trainer's broadcast never waits
         for a receiver that gave up."""
-        pg = self._groups.get(group_name)
-        if pg is None or group_name in self._broken:
-            raise ValueError(f"group {group_name} is {'broken' if pg else 'unknown'}: "
+        entry = self._groups.get(group_name)
+        if entry is None or group_name in self._broken:
+            raise ValueError(f"group {group_name} is {'broken' if entry else 'unknown'}: "
                              "/destroy_weights_update_group and init it again")
+        pg, streams = entry
         problem = self.receiver.problems(specs)
         try:
             if flattened:
-                self._receive_flat(specs, pg, problem is None)
+                self._receive_flat(specs, pg, streams, problem is None)
             else:
                 self._receive_each(specs, pg, problem is None)
         except Exception as exc:
@@ -66,17 +68,21 @@ class GroupReceiver:
             raise ValueError(problem)
         return f"staged {len(specs)} tensors from group {group_name}"
 
-    def _receive_flat(self, specs: list[wire.Spec], pg: Any, keep: bool) -> None:
-        """One broadcast of the whole bucket into a reused buffer, then copied to shadows."""
+    def _receive_flat(self, specs: list[wire.Spec], pg: Any, streams: int, keep: bool) -> None:
+        """The bucket's bytes in groups.flat_pieces: straight into the shadows laid out back
+        to back (receiver.shadow_span), else into a reused buffer, then copied to them."""
         dtypes = {s["dtype"] for s in specs}
         if len(dtypes) != 1:  # the group is still in step: nothing was received
             raise ValueError(f"a flattened bucket holds one dtype, got {sorted(dtypes)}")
+        flat = self.receiver.shadow_span(specs) if keep else None
         offs, total = wire.offsets(specs)
-        if self._flat is None or self._flat.numel() < total:
-            self._flat = torch.empty(total, dtype=torch.uint8)
-        flat = self._flat[:total].view(wire.parse_dtype(specs[0]["dtype"]))
-        self._wait([dist.broadcast(flat, src=0, group=pg, async_op=True)])
-        for s, o in zip(specs, offs) if keep else ():
+        staged = flat is None  # then received into the reused buffer, copied to the shadows after
+        if staged:
+            if self._flat is None or self._flat.numel() < total:
+                self._flat = torch.empty(total, dtype=torch.uint8)
+            flat = self._flat[:total].view(wire.parse_dtype(specs[0]["dtype"]))
+        self._wait([dist.broadcast(p, src=0, group=pg, async_op=True) for p in groups.flat_pieces(flat, streams)])
+        for s, o in zip(specs, offs) if keep and staged else ():
             self.receiver.shadow(s["name"]).copy_(wire.view(self._flat, o, s))
 
     def _receive_each(self, specs: list[wire.Spec], pg: Any, keep: bool) -> None:

@@ -47,7 +47,7 @@ class WeightReceiver:
     """Stages weights of one session and swaps them in at its end.
 
     Atomicity: update calls never write the live model. A distributed bucket is received
-    into private *shadow* tensors; a tensor-transport bucket is staged as views into the
+    into private *shadow* tensors (a flattened one into shadows laid out back to back); a tensor-transport bucket is staged as views into the
     trainer's shm file (no copy; a lease keeps the trainer from rewriting the file).
     end_weight_update commits by pointing each live parameter at its staged tensor (under
     the scheduler's model_lock) and setting the staged weight_version in the same critical
@@ -310,6 +310,31 @@ class WeightReceiver:
             buf = self._shadows[canonical] = torch.empty_like(live)
         self.stage(name, buf, None)
         return buf
+
+    def shadow_span(self, specs: list[wire.Spec]) -> torch.Tensor | None:
+        """The shadows of a flattened bucket (which fits the model) as one flat tensor,
+        staged, to receive into with no copy. Shadows not yet back to back in `specs` order
+        get one new buffer; since a committed shadow's live tensor becomes the next shadow,
+        from the second push on live weights and shadows alternate between two such
+        buffers. None (receive as sent, copy after) if a dtype differs from the model's or
+        a tensor comes twice."""
+        targets = self._target_map()
+        named = [(s["name"], *targets[s["name"]]) for s in specs]
+        if len({c for _, c, _ in named}) != len(named) or any(
+                wire.parse_dtype(s["dtype"]) != live.dtype for s, (_, _, live) in zip(specs, named)):
+            return None
+        shadows = [self._shadows.get(c) for _, c, _ in named]
+        flat = None
+        if all(b is not None and b.shape == live.shape for b, (_, _, live) in zip(shadows, named)):
+            flat = wire.span(shadows)
+        if flat is None:
+            flat, pos = torch.empty(sum(live.numel() for _, _, live in named), dtype=named[0][2].dtype), 0
+            for _, canonical, live in named:
+                self._shadows[canonical] = flat[pos:pos + live.numel()].view(live.shape)
+                pos += live.numel()
+        for name, canonical, _ in named:
+            self.stage(name, self._shadows[canonical], None)
+        return flat
 
     # ---- tensor transport: the trainer's shm bucket files, used in place ----
     def load_shm(self, descriptor: dict[str, Any]) -> str:

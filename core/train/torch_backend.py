@@ -35,6 +35,7 @@ from milepost.core.train.batch import (collate, count_loss_tokens, num_micro_bat
                                        padding_sample, shard_by_rank, split_micro_batches)
 from milepost.core.train.schedule import lr_lambda
 from milepost.core.train.logprobs import response_logprobs, response_logprobs_and_entropy
+from milepost.core.train.weight_sender import WeightSender, pack_parameters
 from milepost.core.train.weight_source import Rank0WeightSource, SenderRank
 from milepost.core.placement import actor_strategy
 from milepost.core.types import Sample
@@ -94,6 +95,8 @@ class RankWorker(SenderRank):
         np.random.seed((self.seed + self.rank) % 2**32)
         torch.manual_seed(self.seed)
         self.module = load_causal_lm(self.model_path, torch.float32).eval()
+        if self.rank == 0:  # the rank that sends weights: buckets become spans (no copy to send)
+            pack_parameters(self.module)
         self.pad_id = int(self.module.config.pad_token_id or 0)
         self.model = DDP(self.module)
         self.ref = load_causal_lm(self.model_path, torch.float32).eval() if self.algo_cfg.kl_coef > 0 else None
@@ -180,7 +183,6 @@ class RankWorker(SenderRank):
     # ---- weight sync (tensor / distributed transports, milepost.core.weight_sync): rank 0 sends ----
     def _weight_sender(self) -> Any:
         if getattr(self, "_sender", None) is None:
-            from milepost.core.train.weight_sender import WeightSender
             self._sender = WeightSender(self.module)
         return self._sender
 

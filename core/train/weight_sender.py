@@ -25,6 +25,29 @@ MAX_FILES_PER_BUCKET = 4  # engines hold one set (served) and maybe one staged; 
 SPLIT_BYTES = 4 << 20  # tensors this big are cut into one piece per copy thread
 
 
+def pack_parameters(module: torch.nn.Module) -> int:
+    """Lay `module`'s parameters out back to back, one buffer per dtype, in state-dict order
+    (a tied parameter once, where it first appears), and point each at its place. Values,
+    Parameter objects and ties are unchanged. Why: a weight bucket is then one span of
+    memory, which the distributed transport broadcasts in a few large pieces with no copy
+    (wire.span). Call before building the optimizer or DDP. Returns the bytes moved."""
+    params: dict[int, torch.nn.Parameter] = {}
+    for t in module.state_dict(keep_vars=True).values():
+        if isinstance(t, torch.nn.Parameter) and t.is_contiguous():
+            params.setdefault(id(t), t)
+    moved = 0
+    for dtype in {p.dtype for p in params.values()}:
+        same = [p for p in params.values() if p.dtype == dtype]
+        buf, pos = torch.empty(sum(p.numel() for p in same), dtype=dtype), 0
+        for p in same:
+            n = p.numel()
+            buf[pos:pos + n].copy_(p.data.view(-1))
+            p.data = buf[pos:pos + n].view_as(p)
+            pos += n
+        moved += buf.numel() * buf.element_size()
+    return moved
+
+
 @dataclass
 class BucketFile:
     name: str
@@ -74,7 +97,7 @@ class WeightSender:
         self.copy_threads = copy_threads or min(4, len(os.sched_getaffinity(0)))
         self._copy_pool: ThreadPoolExecutor | None = None
         self._files: dict[int, list[BucketFile]] = {}
-        self._groups: dict[str, Any] = {}
+        self._groups: dict[str, tuple[Any, int]] = {}  # name → (group, streams)
         self._flat: torch.Tensor | None = None
         self._swept = False
 
@@ -189,30 +212,39 @@ class WeightSender:
                    timeout_s: float, backend: str = "gloo", streams: int = 1) -> None:
         if group_name in self._groups:
             raise ValueError(f"weight-update group {group_name} exists; destroy it first")
-        self._groups[group_name] = groups.init_weight_group(master_address, master_port, 0, world_size,
-                                                            group_name, timeout_s, backend, streams)
+        pg = groups.init_weight_group(master_address, master_port, 0, world_size, group_name, timeout_s, backend,
+                                      streams)
+        self._groups[group_name] = (pg, streams)
 
     def broadcast(self, names: list[str], group_name: str, flattened: bool) -> None:
         """Broadcast one bucket from rank 0; returns when every engine has it (or the
-        group's timeout raises)."""
-        pg = self._groups[group_name]
+        group's timeout raises). Flattened: the bucket's bytes in groups.flat_pieces, sent
+        straight from the weights when they lie back to back (pack_parameters), else from a
+        reused staging buffer."""
+        pg, streams = self._groups[group_name]
         pairs = self._gather(names)
-        if not flattened:
-            works = [dist.broadcast(t.contiguous(), src=0, group=pg, async_op=True) for _, t in pairs]
-            for w in works:
-                w.wait()
-            return
+        if flattened:
+            tensors = groups.flat_pieces(self._flat_bucket(pairs), streams)
+        else:
+            tensors = [t.contiguous() for _, t in pairs]
+        for w in [dist.broadcast(t, src=0, group=pg, async_op=True) for t in tensors]:
+            w.wait()
+
+    def _flat_bucket(self, pairs: list[tuple[wire.Spec, torch.Tensor]]) -> torch.Tensor:
         specs = [s for s, _ in pairs]
         if len({s["dtype"] for s in specs}) != 1:
             raise ValueError("a flattened bucket must hold one dtype (plan it with buckets())")
+        flat = wire.span([t for _, t in pairs])
+        if flat is not None:
+            return flat
         offs, total = wire.offsets(specs)
         if self._flat is None or self._flat.numel() < total:
             self._flat = torch.empty(total, dtype=torch.uint8)
         for (spec, t), o in zip(pairs, offs):
             wire.view(self._flat, o, spec).copy_(t)
-        dist.broadcast(self._flat[:total].view(wire.parse_dtype(specs[0]["dtype"])), src=0, group=pg)
+        return self._flat[:total].view(wire.parse_dtype(specs[0]["dtype"]))
 
     def destroy_group(self, group_name: str) -> None:
-        pg = self._groups.pop(group_name, None)
-        if pg is not None:
-            groups.destroy_weight_group(pg)
+        entry = self._groups.pop(group_name, None)
+        if entry is not None:
+            groups.destroy_weight_group(entry[0])

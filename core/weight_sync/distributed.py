@@ -20,17 +20,22 @@ class DistributedTransport(SessionTransport):
     again under a new name, because a collective that failed leaves its peers out of step.
     Buckets go one at a time, each in the same order on both sides. The trainer's side of
     the group times out after `timeout_s`, so a broadcast to a dead engine ends.
-    `flattened`: one broadcast per bucket (load_format flattened_bucket) instead of one per
-    tensor; `group_backend`: gloo on CPU, nccl for SGLang on GPUs. `gloo_streams`: TCP
-    connections of a gloo group (groups.py says why more than one); the group gets the
-    count every engine accepts (agree_streams), and per-tensor buckets are reordered so each
-    connection carries about the same bytes.
+    `group_backend`: gloo on CPU, nccl for SGLang on GPUs. `gloo_streams`: TCP connections
+    of a gloo group (groups.py says why more than one); the group gets the count every
+    engine accepts (agree_streams). `flattened`: buckets travel as their bytes back to back
+    (load_format flattened_bucket; one broadcast per connection, groups.flat_pieces) rather
+    than one broadcast per tensor (reordered so each connection carries about the same
+    bytes). None (the default) picks flattened exactly when the group has several
+    connections, i.e. the engines are milepost's: they and a packed trainer
+    (pack_parameters) send and receive those bytes in place, and few large broadcasts beat
+    one per tensor (bench/weight_sync.py). With one connection (SGLang) each tensor is its
+    own broadcast: SGLang's default load_format, and no copy on the trainer.
     """
 
     name = "distributed"
 
     def __init__(self, timeout_s: float = 120.0, bucket_mb: float = 512.0, num_attempts: int = 2,
-                 pause_mode: str = "abort", cleanup_timeout_s: float = 5.0, flattened: bool = False,
+                 pause_mode: str = "abort", cleanup_timeout_s: float = 5.0, flattened: bool | None = None,
                  group_backend: str = "gloo", gloo_streams: int = 1) -> None:
         super().__init__(timeout_s, bucket_mb, num_attempts, pause_mode, cleanup_timeout_s)
         groups.check_streams(gloo_streams)
@@ -67,15 +72,16 @@ class DistributedTransport(SessionTransport):
               deadline: Deadline) -> int:
         assert self._group is not None
         group = self._group[0]
-        fmt = "flattened_bucket" if self.flattened else None
+        flattened = self._streams > 1 if self.flattened is None else self.flattened
+        fmt = "flattened_bucket" if flattened else None
         flush = self.pause_mode != "in_place"
         nbytes = 0
         for i, bucket in enumerate(self.plan(backend, deadline)):
-            if not self.flattened:  # a flattened bucket is one broadcast: its order does not matter
+            if not flattened:  # a flattened bucket keeps its order: it is one span of bytes
                 bucket = groups.interleave(bucket, self._streams)
             names = [s["name"] for s in bucket]
             dtypes, shapes = [s["dtype"] for s in bucket], [s["shape"] for s in bucket]
-            sender = pool.submit(lambda: backend.broadcast_weights(names, group, self.flattened,
+            sender = pool.submit(lambda: backend.broadcast_weights(names, group, flattened,
                                                                    timeout_s=deadline.left()))
             on_engines(pool, clients, "update_weights_from_distributed", lambda c: c.update_weights_from_distributed(
                 names, dtypes, shapes, group, fmt, flush, timeout_s=deadline.left()), deadline)

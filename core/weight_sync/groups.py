@@ -11,6 +11,11 @@ already supports this (one connection per device, collective k on device k % n),
 through GLOO_SOCKET_IFNAME, which is global to the process; here the devices are built
 per group. Both sides must use the same count, or the group never forms: the transport
 agrees on it with every engine first (distributed.agree_streams).
+
+Over several streams a flattened bucket (load_format flattened_bucket: the tensors' bytes
+back to back) travels as `flat_pieces`, one broadcast per stream; with one stream it is
+SGLang's single broadcast. Both sides cut it the same way, so the cut is part of the
+`gloo_streams` extension.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from __future__ import annotations
 import datetime
 import os
 from typing import Any
+
+import torch
 
 from milepost.core.weight_sync.wire import Spec, spec_nbytes
 
@@ -57,7 +64,6 @@ def _gloo_group(store: Any, rank: int, world_size: int, group_name: str, timeout
                 streams: int) -> Any:
     """A gloo group with `streams` connections per peer, on the devices torch would pick
     (GLOO_SOCKET_IFNAME's interfaces, else the host's default), each repeated."""
-    import torch
     from torch._C._distributed_c10d import ProcessGroup, ProcessGroupGloo
     from torch.distributed.distributed_c10d import PrefixStore
     interfaces = [i for i in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if i]
@@ -83,6 +89,16 @@ def destroy_weight_group(pg: Any) -> None:
         return
     _world.pg_group_ranks.pop(pg, None)
     pg.shutdown()
+
+
+def flat_pieces(flat: torch.Tensor, streams: int) -> list[torch.Tensor]:
+    """The broadcasts of a flattened bucket `flat` (1-D) over a group of `streams`
+    connections: equal runs of elements in order, one per connection (broadcast k goes over
+    connection k), no empty ones. Fewer, larger broadcasts: each gloo broadcast costs a
+    round trip before its bytes flow (measured: 75 pieces 10 % slower than 16)."""
+    if streams <= 1:
+        return [flat]
+    return [p for p in flat.tensor_split(streams) if p.numel()]
 
 
 def interleave(specs: list[Spec], streams: int) -> list[Spec]:

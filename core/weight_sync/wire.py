@@ -171,6 +171,21 @@ def read_generation(buf: torch.Tensor) -> int | None:
     return generation if magic == MAGIC else None
 
 
+def span(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """One flat view over `tensors` if they lie back to back, in this order, in one storage
+    (same dtype, each contiguous): a flattened bucket's bytes with no copy. Else None."""
+    if not tensors:
+        return None
+    first, pos = tensors[0], tensors[0].storage_offset()
+    base = first.untyped_storage().data_ptr()
+    for t in tensors:
+        if (t.dtype != first.dtype or not t.is_contiguous() or t.storage_offset() != pos
+                or t.untyped_storage().data_ptr() != base):
+            return None
+        pos += t.numel()
+    return torch.as_strided(first, (pos - first.storage_offset(),), (1,))
+
+
 def view(buf: torch.Tensor, offset: int, spec: Spec) -> torch.Tensor:
     """The tensor `spec` stored at byte `offset` of a flat uint8 buffer (no copy)."""
     n = spec_nbytes(spec)

@@ -86,10 +86,13 @@ def reference(engines, backend, models, tmp_path_factory):
     lambda: TensorTransport(timeout_s=60),
     lambda: TensorTransport(timeout_s=60, bucket_mb=0.01),  # many buckets: writes overlap reads
     lambda: DistributedTransport(timeout_s=60),
-    lambda: DistributedTransport(timeout_s=60, gloo_streams=4),  # two engines: each stream a full mesh
+    # two engines: each stream a full mesh; flattened (the default over several streams), so
+    # both sides send and receive in place: the packed trainer and the engines' shadow spans
+    lambda: DistributedTransport(timeout_s=60, gloo_streams=4),
+    lambda: DistributedTransport(timeout_s=60, gloo_streams=4, flattened=False),
     lambda: DistributedTransport(timeout_s=60, bucket_mb=0.01, flattened=True),
 ], ids=["tensor", "tensor-small-buckets", "distributed", "distributed-4-streams",
-        "distributed-flattened-small-buckets"])
+        "distributed-4-streams-per-tensor", "distributed-flattened-small-buckets"])
 def test_push_serves_what_a_disk_load_serves(make, engines, backend, models, reference):
     clients = [c for _, c in engines]
     _load_disk(clients, models[0], "0")
@@ -185,7 +188,9 @@ def test_mismatched_bucket_is_rejected_and_the_engine_keeps_serving(engines, mod
     assert _outputs([client]) == reference["v0"][:1]
 
 
-def test_mismatched_distributed_bucket_is_rejected_and_the_group_stays_in_step(engines, models, reference):
+@pytest.mark.parametrize("flattened", [False, True], ids=["per-tensor", "flattened"])
+def test_mismatched_distributed_bucket_is_rejected_and_the_group_stays_in_step(flattened, engines, models,
+                                                                              reference):
     """This process is the trainer (rank 0 of a 2-stream gloo group with one engine). A
     bucket whose shape does not fit is still received (the broadcast completes), then
     refused; the session is discarded, and the next bucket in a new session commits."""
@@ -204,8 +209,13 @@ def test_mismatched_distributed_bucket_is_rejected_and_the_group_stays_in_step(e
             """/update_weights_from_distributed while this process broadcasts zeros of the
             shapes the specs claim; returns the engine's reply (or raises its error)."""
             reply = pool.submit(client.update_weights_from_distributed, [s["name"] for s in specs],
-                                [s["dtype"] for s in specs], [s["shape"] for s in specs], group, timeout_s=30)
-            for w in [dist.broadcast(torch.zeros(s["shape"]), src=0, group=pg, async_op=True) for s in specs]:
+                                [s["dtype"] for s in specs], [s["shape"] for s in specs], group,
+                                "flattened_bucket" if flattened else None, timeout_s=30)
+            if flattened:  # the bucket's bytes, one piece per stream
+                sent = groups.flat_pieces(torch.zeros(sum(wire.spec_nbytes(s) for s in specs) // 4), 2)
+            else:
+                sent = [torch.zeros(s["shape"]) for s in specs]
+            for w in [dist.broadcast(t, src=0, group=pg, async_op=True) for t in sent]:
                 w.wait()
             return reply.result(60)
 

@@ -74,6 +74,21 @@ def test_bad_stream_counts_are_refused() -> None:
         DistributedTransport(gloo_streams=17)
 
 
+def test_flat_pieces_are_one_run_per_stream_in_order() -> None:
+    flat = torch.arange(10, dtype=torch.float32)
+    assert [p.data_ptr() for p in groups.flat_pieces(flat, 1)] == [flat.data_ptr()]
+    pieces = groups.flat_pieces(flat, 3)
+    assert [p.numel() for p in pieces] == [4, 3, 3] and torch.equal(torch.cat(pieces), flat)
+    assert all(p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for p in pieces)  # views
+    assert [p.numel() for p in groups.flat_pieces(flat[:2], 4)] == [1, 1]  # no empty broadcasts
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _rank(rank: int, port: int, streams: int, out: str) -> None:
     torch.set_num_threads(1)
     pg = groups.init_weight_group("127.0.0.1", port, rank, 2, "test_group", 30.0, streams=streams)
@@ -92,12 +107,39 @@ def _rank(rank: int, port: int, streams: int, out: str) -> None:
 def test_a_bucket_crosses_a_multi_stream_group_intact(streams: int, tmp_path) -> None:
     """Two real processes: per-tensor broadcasts over `streams` gloo connections, issued all
     at once (they complete in any order), arrive byte for byte."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "received.pt"
-    mp.spawn(_rank, args=(port, streams, str(out)), nprocs=2)
+    mp.spawn(_rank, args=(_free_port(), streams, str(out)), nprocs=2)
     received = torch.load(out)
     for i, spec in enumerate(groups.interleave(_model_like_bucket(), streams)):
         expected = torch.arange(math.prod(spec["shape"]), dtype=torch.float32).reshape(spec["shape"]) + i
         assert torch.equal(received[spec["name"]], expected), spec["name"]
+
+
+def _flat_rank(rank: int, port: int, streams: int, out: str) -> None:
+    """Rank 0 sends a bucket of views into one buffer (a packed model), rank 1 receives into
+    another laid out the same way: both sides pass spans, no staging copies."""
+    torch.set_num_threads(1)
+    pg = groups.init_weight_group("127.0.0.1", port, rank, 2, "test_flat", 30.0, streams=streams)
+    specs = _model_like_bucket()
+    total = sum(math.prod(s["shape"]) for s in specs)
+    buf = torch.arange(total, dtype=torch.float32) if rank == 0 else torch.zeros(total)
+    offs = [o // 4 for o in wire.offsets(specs)[0]]
+    views = [buf[o:o + math.prod(s["shape"])].view(s["shape"]) for s, o in zip(specs, offs)]
+    flat = wire.span(views)
+    assert flat is not None and flat.data_ptr() == buf.data_ptr()
+    for w in [dist.broadcast(p, src=0, group=pg, async_op=True) for p in groups.flat_pieces(flat, streams)]:
+        w.wait()
+    if rank == 1:
+        torch.save({s["name"]: v for s, v in zip(specs, views)}, out)
+    groups.destroy_weight_group(pg)
+
+
+@pytest.mark.parametrize("streams", [1, 3])
+def test_a_flattened_bucket_crosses_in_one_piece_per_stream_into_its_tensors(streams: int, tmp_path) -> None:
+    out = tmp_path / "received.pt"
+    mp.spawn(_flat_rank, args=(_free_port(), streams, str(out)), nprocs=2)
+    received, pos = torch.load(out), 0
+    for spec in _model_like_bucket():
+        n = math.prod(spec["shape"])
+        assert torch.equal(received[spec["name"]], torch.arange(pos, pos + n, dtype=torch.float32).view(spec["shape"]))
+        pos += n

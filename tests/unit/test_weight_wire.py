@@ -44,3 +44,25 @@ def test_bad_descriptors_are_refused(change, message) -> None:
 def test_unknown_dtype_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown dtype"):
         wire.parse_dtype("float8")
+
+
+def test_span_is_one_view_over_tensors_that_lie_back_to_back() -> None:
+    buf = torch.arange(10, dtype=torch.float32)
+    parts = [buf[0:4].view(2, 2), buf[4:5], buf[5:10]]
+    flat = wire.span(parts)
+    assert flat is not None and flat.data_ptr() == buf.data_ptr() and torch.equal(flat, buf)
+    flat.fill_(7.0)  # a view: receiving into it fills the tensors themselves
+    assert all(bool((p == 7.0).all()) for p in parts)
+    tail = wire.span(parts[1:])
+    assert tail is not None and tail.data_ptr() == parts[1].data_ptr() and tail.numel() == 6
+
+
+@pytest.mark.parametrize("parts", [
+    lambda b: [b[0:4], b[5:10]],  # a gap
+    lambda b: [b[4:8], b[0:4]],  # out of order
+    lambda b: [b[0:4], torch.zeros(6)],  # another storage
+    lambda b: [b[0:4], b[4:10].view(2, 3).t()],  # not contiguous
+    lambda b: [b[0:4], b[4:10].view(torch.int32)],  # another dtype
+], ids=["gap", "order", "storage", "strided", "dtype"])
+def test_span_is_none_unless_the_bytes_are_one_run(parts) -> None:
+    assert wire.span(parts(torch.zeros(10))) is None
