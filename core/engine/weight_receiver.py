@@ -47,8 +47,9 @@ class WeightReceiver:
     """Stages weights of one session and swaps them in at its end.
 
     Atomicity: update calls never write the live model. A distributed bucket is received
-    into private *shadow* tensors (a flattened one into shadows laid out back to back); a tensor-transport bucket is staged as views into the
-    trainer's shm file (no copy; a lease keeps the trainer from rewriting the file).
+    into private *shadow* tensors (a flattened one into shadows laid out back to back); a
+    tensor-transport bucket is staged as views into the trainer's shm file (no copy; a
+    lease keeps the trainer from rewriting the file).
     end_weight_update commits by pointing each live parameter at its staged tensor (under
     the scheduler's model_lock) and setting the staged weight_version in the same critical
     section: a forward sees all-old or all-new weights, and /model_info never names weights
@@ -328,6 +329,8 @@ class WeightReceiver:
         if all(b is not None and b.shape == live.shape for b, (_, _, live) in zip(shadows, named)):
             flat = wire.span(shadows)
         if flat is None:
+            for _, canonical, _ in named:  # free the old shadows first: no third copy of the weights
+                self._shadows.pop(canonical, None)
             flat, pos = torch.empty(sum(live.numel() for _, _, live in named), dtype=named[0][2].dtype), 0
             for _, canonical, live in named:
                 self._shadows[canonical] = flat[pos:pos + live.numel()].view(live.shape)

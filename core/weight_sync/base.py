@@ -140,11 +140,15 @@ def best_effort(pool: ThreadPoolExecutor, clients: list[EngineClient], timeout_s
             pass
 
 
-def verify_versions(clients: list[EngineClient], version: str, timeout_s: float) -> None:
-    """Every engine's /model_info names `version` (retryable WeightSyncError otherwise)."""
+def verify_versions(clients: list[EngineClient], version: str, timeout_s: float,
+                    pool: ThreadPoolExecutor | None = None) -> None:
+    """Every engine's /model_info names `version` (retryable WeightSyncError otherwise).
+    `pool`: run the calls there (it needs a free worker per engine), else in a new one."""
     deadline = Deadline(timeout_s, "version check")
-    with ThreadPoolExecutor(max_workers=max(1, len(clients))) as pool:
-        infos = on_engines(pool, clients, "model_info", lambda c: c.model_info(timeout_s=deadline.left()), deadline)
+    if pool is None:
+        with ThreadPoolExecutor(max_workers=max(1, len(clients))) as own:
+            return verify_versions(clients, version, timeout_s, own)
+    infos = on_engines(pool, clients, "model_info", lambda c: c.model_info(timeout_s=deadline.left()), deadline)
     wrong = [f"{c.base_url} serves {i.get('weight_version')}" for c, i in zip(clients, infos)
              if str(i.get("weight_version")) != version]
     if wrong:

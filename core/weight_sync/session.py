@@ -10,7 +10,7 @@ from typing import Any
 
 from milepost.core.engine.client import EngineClient
 from milepost.core.weight_sync.base import (Deadline, WeightSource, WeightSyncError, best_effort, no_reply,
-                                            on_engines, verify_versions)
+                                            on_engines, result, verify_versions)
 
 log = logging.getLogger("milepost.weight_sync")
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -90,6 +90,8 @@ class SessionTransport:
         finally:  # the trainer's and the engines' cleanup share one cleanup window
             cleanup_end = time.monotonic() + self.cleanup_timeout_s
             trainer = None if committed else pool.submit(self._on_failure, backend)
+            # after a commit the version check needs no paused engine: it runs beside continue
+            check = pool.submit(verify_versions, clients, version, self.cleanup_timeout_s, pool) if committed else None
             best_effort(pool, clients, self.cleanup_timeout_s,
                         lambda c, d: self._cleanup(c, d, opened and not committed, not committed))
             if trainer is not None:
@@ -97,8 +99,11 @@ class SessionTransport:
                     trainer.result(timeout=max(0.1, cleanup_end - time.monotonic()))
                 except Exception as exc:  # noqa: BLE001 - logged; the attempt already failed
                     log.warning("%s cleanup on the trainer: %s", self.name, exc)
-            pool.shutdown(wait=False, cancel_futures=True)
-        verify_versions(clients, version, self.cleanup_timeout_s)
+            try:
+                if check is not None:
+                    result(check, Deadline(self.cleanup_timeout_s, "version check"), "version check")
+            finally:
+                pool.shutdown(wait=False, cancel_futures=True)
         return nbytes, send_s
 
     def _cleanup(self, client: EngineClient, deadline: Deadline, end_session: bool, failed: bool) -> None:

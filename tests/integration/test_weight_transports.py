@@ -23,7 +23,7 @@ from milepost.core.train.torch_backend import TorchBackend
 from milepost.core.types import Sample
 from milepost.core.weight_sync import (DistributedTransport, TensorTransport, WeightSyncError, build_transport,
                                       groups, wire)
-from milepost.core.weight_sync.base import on_engines
+from milepost.core.weight_sync.base import on_engines, verify_versions
 
 from tinymodels import save_tiny_qwen2, start_engines, stop_engines
 
@@ -158,6 +158,21 @@ def test_session_rules(engines, models):
         client.end_weight_update()  # no session any more
     assert httpx.post(f"{url}/update_weights_from_tensor", json={"serialized_named_tensors": ["x"]},
                       timeout=10).status_code == 400
+
+
+def test_version_check_names_an_engine_serving_another_version(engines, models):
+    clients = [c for _, c in engines]
+    _load_disk(clients, models[0], "0")
+    verify_versions(clients, "0", 10.0)
+    clients[1].update_weight_version("other", False)  # outside a session: takes effect at once
+    try:
+        with ThreadPoolExecutor(max_workers=2) as pool:  # as a push runs it: in the push's pool
+            with pytest.raises(WeightSyncError) as err:
+                verify_versions(clients, "0", 10.0, pool)
+        assert err.value.retryable and f"{clients[1].base_url} serves other" in str(err.value)
+        assert clients[0].base_url not in str(err.value)
+    finally:
+        clients[1].update_weight_version("0", False)
 
 
 def test_mismatched_bucket_is_rejected_and_the_engine_keeps_serving(engines, models, reference):
