@@ -146,7 +146,8 @@ set -uo pipefail
 export PYTHON RAY_TEMP_DIR="$RAY_TEMP_ROOT/milepost-ray-$SLURM_JOB_ID"
 export GCS_PORT DASHBOARD_PORT CLIENT_SERVER_PORT NODE_PORT_BASE MIN_WORKER_PORT MAX_WORKER_PORT
 export NUM_GPUS_PER_NODE INCLUDE_DASHBOARD
-# Token auth (Ray's default): every node and driver must say so to use ~/.ray/auth_token.
+# Token auth (Ray's default): every node and driver must say so; the token is the file that
+# RAY_AUTH_TOKEN_PATH names (exported above by milepost, on the shared store), else ~/.ray's.
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
 mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 STEP_PIDS=()
@@ -198,6 +199,10 @@ on_node() {  # on_node NODE CMD...: one srun step on NODE, in the background
 
 HEAD_IP=$(node_ip) || exit 1
 ADDRESS="$HEAD_IP:$GCS_PORT"
+# The slot must be free on the head node before `ray start` (which fails late on a taken
+# port); exit 75 tells the launcher to submit again on the next slot.
+"$PYTHON" -m milepost.slurm.port_check "$GCS_PORT" "$DASHBOARD_PORT" "$CLIENT_SERVER_PORT" \
+  "$NODE_PORT_BASE-$((NODE_PORT_BASE + 3))" "$MIN_WORKER_PORT-$MAX_WORKER_PORT" || exit $?
 on_node "${NODES[0]}" bash -c 'ray_node head 0'
 for _ in $(seq "$JOIN_TIMEOUT_S"); do
   (exec 3<>"/dev/tcp/$HEAD_IP/$GCS_PORT") 2>/dev/null && break

@@ -74,7 +74,8 @@ class StageContext:
                                "launch_ray must run first")
         _check_reachable(address, launch)
         if not ray.is_initialized():
-            os.environ.setdefault("RAY_AUTH_MODE", "token")
+            from milepost.tasks.ray_auth import use_campaign_ray_auth
+            use_campaign_ray_auth(self.store)
             ray.init(address=address, namespace=self.namespace, log_to_driver=False, logging_level="WARNING")
         return address
 

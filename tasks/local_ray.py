@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import psutil
 
+from milepost.slurm.port_check import taken_ports
 from milepost.slurm.sbatch import NUM_NODE_PORTS, RayPorts
 
 NUM_CPUS = 4  # what the embedded default always declared (ray.init(num_cpus=4))
@@ -32,21 +33,12 @@ def node_ip() -> str:
         return s.getsockname()[0]
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("0.0.0.0", port))  # gcs_server and raylet listen on all interfaces
-        except OSError:
-            return False
-    return True
-
-
 def free_ray_ports(campaign_id: str, num_tries: int = 20) -> RayPorts:
     for attempt in range(num_tries):
         ports = RayPorts.for_campaign(campaign_id if attempt == 0 else f"{campaign_id}#{attempt}")
         single = [ports.gcs, ports.dashboard, ports.client_server,
                   *range(ports.node_base, ports.node_base + NUM_NODE_PORTS)]
-        if all(_port_free(p) for p in single + [ports.min_worker, ports.max_worker]):
+        if not taken_ports(single + [ports.min_worker, ports.max_worker]):
             return ports
     raise RuntimeError(f"no free Ray port slot after {num_tries} tries; other Ray clusters hold them")
 
@@ -62,12 +54,13 @@ def head_command(ports: RayPorts, temp_dir: str) -> list[str]:
             f"--runtime-env-agent-port={k + 3}", "--disable-usage-stats"]
 
 
-def start_local_head(ports: RayPorts, temp_dir: str, log_path: Path,
+def start_local_head(ports: RayPorts, temp_dir: str, log_path: Path, auth_env: dict[str, str],
                      on_started: Callable[[int, float], None]) -> dict[str, Any]:
-    """Start the head; `on_started(pid, create_time)` records it before anything is awaited.
+    """Start the head with the campaign's Ray auth (`auth_env`, see tasks.ray_auth);
+    `on_started(pid, create_time)` records it before anything is awaited.
     Returns {"address", "pids", "pids_created_at", "node_ips"} once the head accepts drivers."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")}
+    env = {**os.environ, **auth_env}
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(head_command(ports, temp_dir), stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env=env, start_new_session=True)

@@ -33,6 +33,7 @@ import psutil
 
 from milepost.tasks.context import StageContext
 from milepost.tasks.local_ray import free_ray_ports, start_local_head, stop_processes
+from milepost.tasks.ray_auth import ray_auth_env
 
 LAUNCH_TIMEOUT_S = 600
 LAUNCH_ATTEMPTS = 3
@@ -51,7 +52,7 @@ def _launch_local(ctx: StageContext) -> dict[str, Any]:
     temp_dir = f"/tmp/mp-ray-{uuid.uuid4().hex[:10]}"
     ports = free_ray_ports(ctx.url)
     ctx.update("launch_ray", mode="local", temp_dir=temp_dir, launched_at=time.time())
-    head = start_local_head(ports, temp_dir, Path(ctx.block_path("logs", "ray-head.log")),
+    head = start_local_head(ports, temp_dir, Path(ctx.block_path("logs", "ray-head.log")), ray_auth_env(ctx.store),
                             on_started=lambda pid, created: ctx.update("launch_ray", pids=[pid],
                                                                        pids_created_at=[created]))
     return {"mode": "local", "temp_dir": temp_dir, "launched_at": ctx.record("launch_ray")["launched_at"],
@@ -86,7 +87,8 @@ def _submit_allocation(ctx: StageContext, attempt: int) -> tuple[str, Path]:
     spec = RayAllocationSpec(
         job_name=f"mp-ray-b{ctx.block}", options=cluster.slurm.model_copy(update={"nodes": cluster.num_nodes}),
         ports=RayPorts.for_campaign(slot_id), log_dir=str(log_dir), address_file=str(address_file),
-        python=sys.executable, ray_temp_root="/tmp", join_timeout_s=LAUNCH_TIMEOUT_S)
+        python=sys.executable, ray_temp_root="/tmp", join_timeout_s=LAUNCH_TIMEOUT_S,
+        env=ray_auth_env(ctx.store))  # a token path on the shared store, never the token
     script = Path(ctx.block_path("ray.sbatch"))
     script.write_text(render_ray_allocation(spec))
     job_id = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True,

@@ -28,6 +28,7 @@ from typing import Any, Callable
 import psutil
 
 from milepost.tasks.context import StageContext
+from milepost.tasks.ray_auth import use_campaign_ray_auth
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +79,8 @@ def run_stage(campaign_url: str, block: int, stage: str, show_progress: bool = F
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
     _die_with_driver()
-    os.environ.setdefault("RAY_AUTH_MODE", "token")  # Ray's token auth: drivers must say so (FACTS.md)
     ctx = StageContext.open(campaign_url, block, show_progress=show_progress)
+    use_campaign_ray_auth(ctx.store)  # the head this stage starts, or the one it joins
     if ctx.recipe.cluster.executor == "slurm" and os.environ.get("SLURM_JOB_ID"):
         _outlive_slurm_term()
     record = ctx.store.stage_record(block, stage)

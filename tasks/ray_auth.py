@@ -1,0 +1,39 @@
+"""The campaign's Ray token: what lets a fresh machine (no ~/.ray) start and join its clusters.
+
+Ray 2.60 runs with token authentication (`RAY_AUTH_MODE=token`), and `ray start --head`
+refuses to start when no token exists yet; only `ray.init()` of a local cluster creates
+`~/.ray/auth_token`. So milepost creates the token itself, once per campaign, as the
+owner-only secret `<campaign>/secrets/ray_auth_token` (core.secrets), and points every
+process of the campaign at it by path (`RAY_AUTH_TOKEN_PATH`): the local head, the Slurm
+allocation's head and workers (the store is the shared filesystem all nodes see), every
+stage job's driver. The value itself is never on a command line, in a record or a log.
+
+A user who manages Ray auth themselves keeps control: `RAY_AUTH_MODE=disabled`, or their
+own `RAY_AUTH_TOKEN` / `RAY_AUTH_TOKEN_PATH` in the environment, are left as they are.
+"""
+
+from __future__ import annotations
+
+import os
+
+from milepost.core.secrets import ensure_secret
+from milepost.core.store import CampaignStore
+
+RAY_TOKEN_SECRET = "ray_auth_token"
+_USER_SETTINGS = ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+
+
+def ray_auth_env(store: CampaignStore) -> dict[str, str]:
+    """The environment a process of this campaign needs to start or join its Ray cluster."""
+    mode = os.environ.get("RAY_AUTH_MODE", "token")
+    if mode != "token":
+        return {"RAY_AUTH_MODE": mode}
+    if any(os.environ.get(name) for name in _USER_SETTINGS):
+        return {"RAY_AUTH_MODE": mode}  # the user's own token wins
+    path = ensure_secret(store.local_path(), RAY_TOKEN_SECRET)
+    return {"RAY_AUTH_MODE": mode, "RAY_AUTH_TOKEN_PATH": str(path)}
+
+
+def use_campaign_ray_auth(store: CampaignStore) -> None:
+    """Set this process's (and its children's) Ray auth environment for the campaign."""
+    os.environ.update(ray_auth_env(store))
