@@ -52,15 +52,16 @@ def span(timings: dict[str, float], name: str) -> Iterator[None]:
     timings[f"timing/{name}_s"] = time.perf_counter() - start
 
 
-def assign_advantages(samples: list[Sample], estimator: str) -> None:
-    """Group baselines per prompt group (ragged after filtering); REINFORCE++ normalises globally."""
+def assign_advantages(samples: list[Sample], estimator: str) -> dict[str, float]:
+    """Group baselines per prompt group (ragged after filtering); REINFORCE++ normalises globally.
+    Returns `algo/single_sample_groups`: groups left with one sample, whose advantage is 0."""
     if not samples:
-        return
+        return {"algo/single_sample_groups": 0.0}
     if estimator == "reinforce_pp":
         values = compute_advantages(estimator, torch.tensor([[s.reward for s in samples]]))[0]
         for s, a in zip(samples, values.tolist()):
             s.advantage = a
-        return
+        return {"algo/single_sample_groups": 0.0}
     groups: dict[int, list[Sample]] = {}
     for s in samples:
         groups.setdefault(s.group_index, []).append(s)
@@ -68,6 +69,7 @@ def assign_advantages(samples: list[Sample], estimator: str) -> None:
         values = compute_advantages(estimator, torch.tensor([[s.reward for s in members]]))[0]
         for s, a in zip(members, values.tolist()):
             s.advantage = a
+    return {"algo/single_sample_groups": float(sum(len(m) == 1 for m in groups.values()))}
 
 
 def summarize_rollout(samples: list[Sample]) -> dict[str, float]:
@@ -146,7 +148,7 @@ class RLLoop:
         with span(timings, "filter"):
             kept, filter_metrics = filter_groups(samples, r.filters)
         with span(timings, "advantages"):
-            assign_advantages(kept, r.algo.advantage)
+            filter_metrics.update(assign_advantages(kept, r.algo.advantage))
         with span(timings, "train"), self.engines_asleep():
             train_metrics = self.backend.train_step(kept, step) if kept else {"train/skipped": 1.0}
         with span(timings, "weight_sync"):

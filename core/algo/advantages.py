@@ -43,14 +43,17 @@ def dr_grpo_advantages(rewards: Tensor) -> Tensor:
 
 
 def rloo_advantages(rewards: Tensor) -> Tensor:
-    """RLOO: r_i - mean of the other n - 1 rewards of the same group (needs n >= 2).
+    """RLOO: r_i - mean of the other n - 1 rewards of the same group.
+
+    A group of one sample (filters can leave one) has no baseline to compare with: its
+    advantage is 0, as GRPO gives it, and the sample carries no gradient.
 
     rewards: [G, n] -> advantages: [G, n].
     """
     r = _check_rewards(rewards)
     n = r.shape[1]
     if n < 2:
-        raise ValueError(f"rloo needs at least 2 samples per group; got n={n}")
+        return torch.zeros_like(r)
     others_mean = (r.sum(dim=1, keepdim=True) - r) / (n - 1)
     return r - others_mean
 

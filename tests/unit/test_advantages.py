@@ -54,9 +54,9 @@ def test_rloo_subtracts_the_mean_of_the_other_samples() -> None:
     close(rloo_advantages(torch.tensor([[3.0, 1.0, 2.0]])), [[1.5, -1.5, 0.0]])
 
 
-def test_rloo_rejects_groups_of_one_sample() -> None:
-    with pytest.raises(ValueError, match="at least 2"):
-        rloo_advantages(torch.tensor([[1.0], [0.0]]))
+def test_rloo_gives_a_group_of_one_sample_zero_advantage_as_grpo_does() -> None:
+    close(rloo_advantages(torch.tensor([[1.0], [0.0]])), [[0.0], [0.0]])
+    close(grpo_advantages(torch.tensor([[1.0], [0.0]])), [[0.0], [0.0]])
 
 
 def test_reinforce_pp_normalises_over_the_whole_batch_not_per_group() -> None:

@@ -21,3 +21,10 @@ def test_reinforce_pp_normalises_over_the_whole_batch():
     samples = [_sample(0, 1.0), _sample(0, 1.0), _sample(1, 0.0), _sample(1, 0.0)]
     assign_advantages(samples, "reinforce_pp")
     assert [s.advantage for s in samples] == pytest.approx([1.0, 1.0, -1.0, -1.0], abs=1e-4)
+
+
+def test_rloo_on_groups_that_filters_left_with_one_sample_gives_them_zero_and_counts_them():
+    samples = [_sample(0, 1.0), _sample(1, 1.0), _sample(1, 0.0), _sample(2, 0.0)]
+    metrics = assign_advantages(samples, "rloo")
+    assert [s.advantage for s in samples] == pytest.approx([0.0, 1.0, -1.0, 0.0])
+    assert metrics == {"algo/single_sample_groups": 2.0}
