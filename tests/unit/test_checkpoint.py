@@ -28,7 +28,7 @@ def test_checkpoint_without_manifest_is_ignored_with_a_warning(tmp_path, caplog)
     with caplog.at_level(logging.WARNING):
         latest = mgr.latest_valid()
     assert latest.step == 5
-    assert "no MANIFEST.json" in caplog.text
+    assert "MANIFEST.json is missing" in caplog.text
 
 
 def test_checkpoint_with_a_corrupted_file_is_ignored(tmp_path):
