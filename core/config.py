@@ -13,7 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False: `.nan` or `.inf` in a recipe is always a typo or a broken generator,
+    # and NaN passes every `ge`/`le` bound silently.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class CampaignConfig(Section):
@@ -42,6 +44,16 @@ class TinyModelConfig(Section):
         0.6, ge=0.0, le=1.0,
         description="Share of warm-start answers written unsimplified (`125+0`), which the "
                     "exact-match reward rejects: the base policy is right only sometimes.")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "TinyModelConfig":
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"model.tiny.hidden_size={self.hidden_size} is not divisible by num_heads="
+                             f"{self.num_heads}; pick a hidden_size that is a multiple of num_heads")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model.tiny.num_heads={self.num_heads} is not divisible by num_kv_heads="
+                             f"{self.num_kv_heads}; pick num_kv_heads dividing num_heads (e.g. 1, 2)")
+        return self
 
 
 class ModelConfig(Section):
@@ -74,7 +86,7 @@ class RolloutConfig(Section):
     prompts_per_step: int = Field(32, ge=1)
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, description="-1 disables top-k.")
+    top_k: int = Field(-1, ge=-1, description="-1 disables top-k.")
     max_new_tokens: int = Field(8, ge=1)
     max_batch_size: int = Field(512, ge=1, description="Most sequences an engine decodes at once.")
     max_prompt_tokens: int = Field(
@@ -96,6 +108,13 @@ class RolloutConfig(Section):
     health_check_timeout_s: float = Field(
         30.0, gt=0, description="Timeout of one /health_generate (it waits behind the running batch).")
 
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_not_zero(cls, value: int) -> int:
+        if value == 0:  # SGLang reads 0 as "keep no token"; -1 is its "off"
+            raise ValueError("top_k=0 keeps no token; use -1 to disable top-k, or a count >= 1")
+        return value
+
 
 class RewardConfig(Section):
     function: str = Field(
@@ -109,11 +128,19 @@ class FilterConfig(Section):
     max_response_tokens: int | None = Field(None, ge=1)
     min_response_tokens: int | None = Field(None, ge=0)
 
+    @model_validator(mode="after")
+    def _bounds_ordered(self) -> "FilterConfig":
+        lo, hi = self.min_response_tokens, self.max_response_tokens
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(f"filters.min_response_tokens={lo} is above filters.max_response_tokens={hi}: "
+                             "every sample would be dropped; lower the minimum or raise the maximum")
+        return self
+
 
 class AlgoConfig(Section):
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
     loss: Literal["ppo", "gspo"] = "ppo"
-    clip_low: float = Field(0.2, ge=0.0)
+    clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="Ratios below 1 - clip_low are clipped.")
     clip_high: float = Field(0.28, ge=0.0, description="Clip-higher (DAPO) upper bound.")
     dual_clip_c: float | None = Field(3.0, gt=1.0, description="Dual-clip bound for A<0; null disables.")
     kl_coef: float = Field(0.0, ge=0.0, description="KL penalty to the reference model.")
@@ -150,13 +177,20 @@ class TrainConfig(Section):
     precision: Literal["fp32", "bf16"] = Field("fp32", description="Parameter/compute precision (bf16: GPU).")
     lr: float = Field(1e-3, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1).")
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
     warmup_steps: int = Field(0, ge=0)
     micro_batch_size: int = Field(64, ge=1)
     grad_clip: float = Field(1.0, gt=0.0)
     num_threads_per_rank: int = Field(1, ge=1)
     megatron: MegatronConfig = MegatronConfig()
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"AdamW betas must each be in [0, 1), got {list(betas)}; e.g. [0.9, 0.999]")
+        return betas
 
     @model_validator(mode="after")
     def _layout_divides(self) -> "TrainConfig":

@@ -28,7 +28,7 @@ from milepost.core.config import Recipe
 from milepost.core.data.source import PromptSource
 from milepost.core.engine.client import EngineClient
 from milepost.core.filters import filter_groups
-from milepost.core.reward import RewardEvaluator
+from milepost.core.reward import RewardEvaluator, split_failed
 from milepost.core.rollout import RolloutFn, RolloutRequest, sampling_params_from
 from milepost.core.rollout_ahead import Chunk, RolloutAhead
 from milepost.core.types import Prompt, Sample
@@ -129,7 +129,7 @@ class RLLoop:
             num_engines=r.rollout.num_engines, decode=self.decode,
             continue_cut_responses=r.rollout.partial_rollout)
         samples = self.rollout_fn(request, self.router)
-        self.rewards.score(samples)
+        self.rewards.score(samples, step=step)
         return samples
 
     def run_step(self, step: int) -> dict[str, Any]:
@@ -138,8 +138,9 @@ class RLLoop:
         with span(timings, "wait_rollout"):
             chunk = self.ahead.take(step - 1, timeout_s=3 * r.rollout.request_timeout_s)
         timings["timing/rollout_s"] = chunk.rollout_s
-        samples = chunk.samples or []
-        rollout_metrics = summarize_rollout(samples)
+        # Samples whose reward failed are left out before advantages (see RewardEvaluator).
+        samples, reward_metrics = split_failed(chunk.samples or [])
+        rollout_metrics = {**summarize_rollout(samples), **reward_metrics}
         rollout_metrics["rollout/staleness"] = float(self.state.policy_version - chunk.min_version)
         rollout_metrics["rollout/num_generations"] = float(chunk.num_generations)
         rollout_metrics["rollout/mixed_version_samples"] = float(

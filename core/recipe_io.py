@@ -7,12 +7,13 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from milepost.core.config import Recipe
+from milepost.core.errors import UserError
 
 
-class RecipeError(ValueError):
+class RecipeError(UserError):
     """A user mistake in a recipe or an override; the message says what to change."""
 
 
@@ -21,13 +22,33 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(top level)"
         if e["type"] == "extra_forbidden":
-            lines.append(f"  - unknown key `{key}`: remove it or check its spelling "
-                         "(`milepost run --help` points to the recipe reference)")
+            lines.append(f"  - unknown key `{key}`: {_spelling_hint(e['loc'])}")
         else:
             value = e.get("input")
             shown = "" if isinstance(value, dict) else f" (got {value!r})"
             lines.append(f"  - `{key}`: {e['msg']}{shown}")
     return "\n".join(lines)
+
+
+def _section_keys(loc: tuple[Any, ...]) -> list[str]:
+    """The keys the schema accepts in the section that holds `loc`'s last key."""
+    model: Any = Recipe
+    for part in loc[:-1]:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+            return []
+        model = field.annotation
+    return list(getattr(model, "model_fields", {}))
+
+
+def _spelling_hint(loc: tuple[Any, ...]) -> str:
+    keys = _section_keys(loc)
+    close = difflib.get_close_matches(str(loc[-1]), keys, n=1)
+    if close:
+        return f"did you mean `{'.'.join(str(p) for p in loc[:-1]) + '.' if len(loc) > 1 else ''}{close[0]}`?"
+    if keys:
+        return f"remove it; this section takes: {', '.join(keys)}"
+    return "remove it or check its spelling (the README's recipe reference lists every key)"
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -36,12 +57,25 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key, raw = text.split("=", 1)
     parts = key.strip().split(".")
     if not all(parts):
-        raise RecipeError(f"--set {text!r}: empty key segment in {key!r}")
-    # YAML typing: `3` → int, `1e-4` → float, `true` → bool, `null` → None, `[1,2]` → list.
-    value = yaml.safe_load(raw) if raw.strip() else ""
+        raise RecipeError(f"--set {text!r}: empty key segment in {key!r}; write the full dotted key, "
+                          "e.g. --set train.lr=1e-4")
+    return parts, _override_value(text, raw)
+
+
+def _override_value(text: str, raw: str) -> Any:
+    """YAML typing: `3` → int, `1e-4` → float, `true` → bool, `null` → None, `[1,2]` → list."""
+    if not raw.strip():
+        return ""
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        # The YAML error's own text is several lines with a caret; its first line says enough.
+        problem = str(getattr(e, "problem", None) or e).splitlines()[0]
+        raise RecipeError(f"--set {text!r}: the value {raw!r} is not valid YAML ({problem}); quote a "
+                          "string (--set 'key=\"text\"'), or write a list as [1, 2]") from None
     if isinstance(value, str) and _looks_like_float(value):
         value = float(value)
-    return parts, value
+    return value
 
 
 def _looks_like_float(s: str) -> bool:
@@ -67,17 +101,33 @@ def apply_overrides(doc: dict[str, Any], overrides: list[str]) -> dict[str, Any]
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     path = Path(path)
+    doc = _read_recipe_doc(path)
+    doc = apply_overrides(doc, overrides or [])
+    return recipe_from_dict(doc, source=str(path))
+
+
+def _read_recipe_doc(path: Path) -> dict[str, Any]:
+    if path.is_dir():
+        raise RecipeError(f"recipe {path} is a folder; pass a YAML file such as recipes/tiny-arith.yaml")
     if not path.is_file():
         raise RecipeError(f"recipe file {path} does not exist; pass a YAML file such as "
                           "recipes/tiny-arith.yaml")
     try:
-        doc = yaml.safe_load(path.read_text()) or {}
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise RecipeError(f"{path}: not a text file (not UTF-8); a recipe is a YAML file") from None
+    except OSError as e:
+        raise RecipeError(f"recipe file {path} cannot be read ({e.strerror}); check its permissions") from None
+    try:
+        doc = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise RecipeError(f"{path}: not valid YAML: {e}") from None
+    if doc is None:
+        raise RecipeError(f"{path}: the recipe is empty; start from recipes/tiny-arith.yaml")
     if not isinstance(doc, dict):
-        raise RecipeError(f"{path}: a recipe is a YAML mapping of sections, got {type(doc).__name__}")
-    doc = apply_overrides(doc, overrides or [])
-    return recipe_from_dict(doc, source=str(path))
+        raise RecipeError(f"{path}: a recipe is a YAML mapping of sections (`train:`, `rollout:` ...), "
+                          f"got a {type(doc).__name__}")
+    return doc
 
 
 def recipe_from_dict(doc: dict[str, Any], source: str = "recipe") -> Recipe:

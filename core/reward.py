@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import inspect
+import logging
+import math
 import re
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
-from milepost.core.plugins import load_object
+from milepost.core.errors import UserError
+from milepost.core.plugins import PluginError, load_object
 from milepost.core.rewards_math import gsm8k_reward
 from milepost.core.types import Sample
 
 RewardFn = Callable[[str, str], float]
+
+log = logging.getLogger(__name__)
+
+# Where a sample whose reward could not be computed carries the reason (see RewardEvaluator).
+REWARD_FAILED = "reward_failed"
 
 
 def tiny_arith_reward(response_text: str, label: str) -> float:
@@ -60,40 +69,131 @@ def resolve_reward_fn(spec: str) -> RewardFn:
     so a wrong signature fails at start-up, not at the first reward."""
     fn = REWARD_FUNCTIONS.get(spec) or load_object(spec, what="reward.function",
                                                   known=sorted(REWARD_FUNCTIONS))
-    if not callable(fn):
-        raise ValueError(f"reward.function `{spec}` is not callable; name a function")
-    try:
-        inspect.signature(fn).bind("response", "label")
-    except TypeError as e:
-        raise ValueError(f"reward.function `{spec}` must accept (response_text, label): {e}; "
-                         "change its signature to fn(response_text: str, label: str) -> float") from None
+    check_reward_fn(fn, spec)
     return fn
 
 
+def check_reward_fn(fn: Any, spec: str) -> None:
+    """What can be known before the first call: callable, synchronous, takes (response, label)."""
+    if not callable(fn):
+        raise PluginError(f"reward.function `{spec}` is a {type(fn).__name__}, not callable; name a "
+                          "function fn(response_text: str, label: str) -> float")
+    if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
+        raise PluginError(f"reward.function `{spec}` is an async or generator function, which returns no "
+                          "number when called; make it a plain `def fn(response_text, label) -> float`")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # some builtins have no inspectable signature; the first call checks them
+    try:
+        signature.bind("response", "label")
+    except TypeError as e:
+        raise PluginError(f"reward.function `{spec}` must accept (response_text, label): {e}; "
+                          "change its signature to fn(response_text: str, label: str) -> float") from None
+
+
+@dataclass(frozen=True)
+class RewardFailure:
+    """Why one sample has no reward: the function raised (`error`) or returned no finite number."""
+
+    message: str
+    error: BaseException | None = None
+
+
+def reward_value(value: Any) -> float | str:
+    """`value` as a reward, or why it is not one. bool counts (True = 1.0); strings do not,
+    even numeric ones: a reward returning "1" is a bug to surface, not to guess around."""
+    if value is None or isinstance(value, (str, bytes)):
+        return f"returned {value!r:.80}, not a number"
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return f"returned a {type(value).__name__} ({value!r:.80}), not a number"
+    if not math.isfinite(number):
+        return f"returned {number}, not a finite number"
+    return number
+
+
+class RewardFailedError(UserError):
+    """A reward function failed on every sample of a step: nothing is left to learn from, and
+    running it again gives the same failure."""
+
+
 class RewardEvaluator:
-    """Scores samples concurrently on a thread pool; order is preserved."""
+    """Scores samples concurrently on a thread pool; order is preserved.
 
-    def __init__(self, fn: RewardFn, num_workers: int = 2) -> None:
+    A sample whose reward raises or is not a finite number is *marked* rather than given a
+    made-up reward: `sample.extra["reward_failed"]` holds the reason and `sample.reward` is 0.0
+    only as a placeholder. The loop leaves marked samples out of training (`split_failed`
+    before advantages), because a 0 would tell GRPO that the response was wrong, shifting its
+    group's baseline and pushing the policy away from answers the reward merely could not
+    score; the rest of the group keeps its own baseline. Each distinct failure is logged once
+    with the reward's own message; the count is the step's `rollout/reward_failed`. When every
+    sample of a batch fails, the reward function is broken, not the samples: `score` raises
+    RewardFailedError (a UserError: not retried) carrying the reward's first error.
+    """
+
+    MAX_LOGGED = 20  # distinct failure messages logged; later ones are only counted
+
+    def __init__(self, fn: RewardFn, num_workers: int = 2, name: str | None = None) -> None:
         if num_workers < 1:
-            raise ValueError(f"reward.num_workers must be >= 1, got {num_workers}")
+            raise UserError(f"reward.num_workers must be >= 1, got {num_workers}")
         self.fn, self.num_workers = fn, num_workers
+        self.name = name or getattr(fn, "__name__", type(fn).__name__)
+        self._logged: set[str] = set()
 
-    def _one(self, sample: Sample) -> float:
+    def _one(self, sample: Sample) -> float | RewardFailure:
         try:
-            return float(self.fn(sample.response_text, sample.label))
-        except Exception as e:
-            raise RuntimeError(f"reward function failed on sample of prompt {sample.prompt_index} "
-                               f"(group {sample.group_index}) "
-                               f"(response {sample.response_text!r}): {type(e).__name__}: {e}") from e
+            value = self.fn(sample.response_text, sample.label)
+        except Exception as e:  # noqa: BLE001 - any error of user code marks the sample
+            return RewardFailure(f"{type(e).__name__}: {e}", e)
+        checked = reward_value(value)
+        return checked if isinstance(checked, float) else RewardFailure(checked)
 
-    def score(self, samples: list[Sample]) -> list[float]:
+    def score(self, samples: list[Sample], step: int | None = None) -> list[float]:
+        """Sets `sample.reward` (and marks failed samples); returns the rewards in order, 0.0
+        for a failed sample. `step` only names the batch in messages."""
         # Slices, not one future per sample: for cheap rewards the futures cost more than the
         # scoring (and contend for the GIL with the rollout's HTTP); a few slices per worker
         # still balance slow, I/O-bound rewards.
         size = max(1, -(-len(samples) // (4 * self.num_workers)))
         slices = [samples[i:i + size] for i in range(0, len(samples), size)]
         with ThreadPoolExecutor(max_workers=self.num_workers) as pool:
-            scores = [x for part in pool.map(lambda part: [self._one(s) for s in part], slices) for x in part]
-        for s, r in zip(samples, scores):
-            s.reward = r
-        return scores
+            results = [x for part in pool.map(lambda part: [self._one(s) for s in part], slices) for x in part]
+        failed = []
+        for s, result in zip(samples, results):
+            if isinstance(result, RewardFailure):
+                s.reward = 0.0
+                s.extra[REWARD_FAILED] = result.message
+                failed.append((s, result))
+            else:
+                s.reward = result
+                s.extra.pop(REWARD_FAILED, None)
+        if failed:
+            self._report(failed, len(samples), step)
+        return [s.reward for s in samples]
+
+    def _report(self, failed: list[tuple[Sample, RewardFailure]], total: int, step: int | None) -> None:
+        batch = f"step {step}" if step is not None else "the batch"
+        first_sample, first = failed[0]
+        where = (f"prompt {first_sample.prompt_index} (group {first_sample.group_index}), "
+                 f"response {first_sample.response_text[:200]!r}")
+        if len(failed) == total:
+            raise RewardFailedError(
+                f"reward function `{self.name}` failed on every sample of {batch}: {first.message} "
+                f"(first failure: {where}); fix the function so it returns a finite number for every "
+                "(response_text, label), then run again: the campaign resumes from its last checkpoint"
+            ) from first.error
+        for s, failure in failed:
+            if failure.message not in self._logged and len(self._logged) < self.MAX_LOGGED:
+                self._logged.add(failure.message)
+                log.warning("reward function `%s` failed on %d of %d samples of %s; they are left out of "
+                            "training and counted in rollout/reward_failed. %s on prompt %d (group %d), "
+                            "response %r", self.name, len(failed), total, batch, failure.message,
+                            s.prompt_index, s.group_index, s.response_text[:200])
+
+
+def split_failed(samples: list[Sample]) -> tuple[list[Sample], dict[str, float]]:
+    """The samples that have a reward, and `rollout/reward_failed`: how many were left out."""
+    kept = [s for s in samples if REWARD_FAILED not in s.extra]
+    return kept, {"rollout/reward_failed": float(len(samples) - len(kept))}

@@ -18,7 +18,7 @@ from typing import Any, Callable, Protocol
 
 from milepost.core.engine.client import EngineClient
 from milepost.core.partial_rollout import PartialResponse, continue_cut_responses
-from milepost.core.plugins import load_object
+from milepost.core.plugins import PluginError, load_object
 from milepost.core.types import Prompt, Sample
 
 
@@ -95,8 +95,14 @@ def resolve_rollout_fn(spec: str) -> RolloutFn:
     """A registered name or an import path; the signature is checked now, not mid-campaign."""
     fn = ROLLOUT_FUNCTIONS.get(spec) or load_object(spec, what="rollout.function",
                                                    known=sorted(ROLLOUT_FUNCTIONS))
+    if not callable(fn):
+        raise PluginError(f"rollout.function `{spec}` is a {type(fn).__name__}, not callable; name a "
+                          "function fn(request: RolloutRequest, router: EngineClient) -> list[Sample]")
     try:
         inspect.signature(fn).bind("request", "router")
     except TypeError as e:
-        raise ValueError(f"rollout.function `{spec}` must accept (request, router): {e}") from None
+        raise PluginError(f"rollout.function `{spec}` must accept (request, router): {e}; change its "
+                          "signature to fn(request, router) -> list[Sample]") from None
+    except ValueError:
+        pass  # no inspectable signature (some builtins): the first call checks it
     return fn

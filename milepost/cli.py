@@ -1,7 +1,7 @@
 """`milepost` command line: run a campaign, show its status.
 
-Exit codes: 0 done, 2 bad input (recipe, flag, dataset; a campaign paused or run by another
-process), 1 runtime failure, 3 the campaign paused (regression gate) or stopped on request.
+Exit codes: 0 done, 2 bad input (recipe, flag, model path, dataset, reward function; a campaign
+paused or run by another process), 1 runtime failure, 3 the campaign paused (regression gate) or stopped on request.
 """
 
 from __future__ import annotations
@@ -50,17 +50,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _bad_input(error: BaseException) -> int:
+    print(f"milepost: {error}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
-    from milepost.core.recipe_io import RecipeError, load_recipe
+    from milepost.core.recipe_io import load_recipe
     from milepost.tasks.campaign import prepare_campaign, run_campaign
 
-    try:
+    if args.campaign is not None and not args.campaign.strip():
+        return _bad_input("--campaign is empty; pass a folder or store URL, or leave the flag out "
+                          "(default: runs/<recipe name>)")
+    try:  # every check runs before prepare_campaign writes the store: bad input writes nothing
         recipe = load_recipe(args.recipe, args.overrides)
         campaign_url = args.campaign or str(Path("runs") / Path(args.recipe).stem)
         prepared = prepare_campaign(recipe, campaign_url)
-    except (RecipeError, ValueError) as e:
-        print(f"milepost: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    except ValueError as e:  # UserError and the ValueErrors of pydantic-free checks
+        return _bad_input(e)
     from milepost.tasks.lease import LeaseHeldError
     from milepost.tasks.progression import CampaignPaused
 
@@ -74,11 +81,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     from milepost.tasks.status import campaign_status, format_status
 
+    if "://" not in args.campaign and not Path(args.campaign).exists():
+        return _bad_input(f"campaign folder {args.campaign} does not exist; pass the folder given to "
+                          "`milepost run --campaign` (default: runs/<recipe name>)")
     try:
         status = campaign_status(args.campaign)
     except ValueError as e:
-        print(f"milepost: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return _bad_input(e)
     print(json.dumps(status, indent=2) if args.json else format_status(status))
     return EXIT_OK
 
@@ -99,10 +108,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call drowns the progress
     args = build_parser().parse_args(argv)
+    from milepost.core.errors import UserError
+
     try:
         return {"run": _cmd_run, "status": _cmd_status, "plan": _cmd_plan, "airflow": _cmd_airflow}[args.command](args)
     except KeyboardInterrupt:
         return EXIT_RUNTIME
+    except UserError as e:  # raised past a command's own checks: still the user's to fix, no traceback
+        return _bad_input(e)
     except Exception as e:  # noqa: BLE001 - a runtime failure: say what broke, exit 1
         logging.getLogger("milepost").exception("campaign failed")
         print(f"milepost: runtime failure: {type(e).__name__}: {e}", file=sys.stderr)

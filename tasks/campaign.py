@@ -1,8 +1,8 @@
 """A campaign on the embedded defaults: validate everything, then run its blocks through the
 campaign's Airflow DAG in-process (see tasks.airflow_local).
 
-Validation (recipe, datasets, reward and rollout import paths) happens before anything is
-written to the store, so bad input exits 2 with nothing written.
+Validation (recipe, model path, datasets row by row, reward and rollout import paths) happens
+before anything is written to the store, so bad input exits 2 with nothing written.
 """
 
 from __future__ import annotations
@@ -14,7 +14,10 @@ import time
 from dataclasses import dataclass
 
 from milepost.core.config import Recipe
-from milepost.core.data.source import load_rows
+from milepost.core.data.arith import check_builtin_dataset
+from milepost.core.data.source import PromptLimit, load_rows
+from milepost.core.errors import UserError
+from milepost.core.model.loading import check_model_path, validation_tokenizer
 from milepost.core.recipe_io import RecipeError, dump_recipe, recipe_diff, same_recipe
 from milepost.core.reward import resolve_reward_fn
 from milepost.core.rollout import resolve_rollout_fn
@@ -29,21 +32,57 @@ class PreparedCampaign:
     store: CampaignStore
 
 
-def _check_dataset(path: str, key: str, recipe: Recipe) -> None:
+def _check_dataset(path: str, key: str, recipe: Recipe, limit: PromptLimit | None) -> None:
     if path.startswith("builtin:"):
-        return  # generated deterministically on first use
-    load_rows(path, recipe.data.prompt_key, recipe.data.label_key, setting=key)
+        check_builtin_dataset(path, key)
+        return  # generated deterministically on first use, prompts of a few tokens
+    load_rows(path, recipe.data.prompt_key, recipe.data.label_key, setting=key, prompt_limit=limit)
+
+
+def _prompt_limit(recipe: Recipe) -> PromptLimit | None:
+    """The longest prompt the run takes: rollout.max_prompt_tokens, and the model's context
+    less max_new_tokens when that is smaller. None for a remote model (its tokenizer would
+    need the checkpoint copied first) or when every dataset is builtin."""
+    if all(p.startswith("builtin:") for p in (recipe.data.train_path, recipe.data.eval_path)):
+        return None
+    found = validation_tokenizer(recipe.model)
+    if found is None:
+        return None
+    tokenizer, context = found
+    limit = recipe.rollout.max_prompt_tokens
+    setting = f"rollout.max_prompt_tokens={limit}"
+    longest_new = max(recipe.rollout.max_new_tokens, recipe.eval.max_new_tokens)
+    if context is not None and context - longest_new < limit:
+        if context - longest_new < 1:
+            raise UserError(f"max_new_tokens={longest_new} (rollout/eval) leaves no room for a prompt in the "
+                            f"model's context of {context} tokens; lower rollout.max_new_tokens/eval.max_new_tokens")
+        limit = context - longest_new
+        setting = (f"{limit} tokens (the model's context of {context} less max_new_tokens={longest_new}, "
+                   f"below rollout.max_prompt_tokens={recipe.rollout.max_prompt_tokens})")
+    return PromptLimit(tokenizer, limit, setting)
+
+
+def _check_campaign_url(url: str) -> None:
+    if "://" not in url and os.path.exists(url) and not os.path.isdir(url):
+        raise UserError(f"--campaign {url} is a file; a campaign is a folder (or a store URL): pass a new "
+                        "folder name, or the folder of an existing campaign")
 
 
 def validate_resources(recipe: Recipe) -> None:
-    """Everything that can be checked without starting a process."""
-    _check_dataset(recipe.data.train_path, "data.train_path", recipe)
-    _check_dataset(recipe.data.eval_path, "data.eval_path", recipe)
+    """Everything that can be checked without starting a process: the model path, the
+    datasets (every row, prompt lengths), the reward and rollout functions."""
+    check_model_path(recipe.model)
+    limit = _prompt_limit(recipe)
+    _check_dataset(recipe.data.train_path, "data.train_path", recipe, limit)
+    _check_dataset(recipe.data.eval_path, "data.eval_path", recipe, limit)
     resolve_reward_fn(recipe.reward.function)
     resolve_rollout_fn(recipe.rollout.function)
 
 
 def prepare_campaign(recipe: Recipe, url: str) -> PreparedCampaign:
+    """Validates everything first; only then writes (or checks) the stored recipe, so bad
+    input leaves no trace in the store."""
+    _check_campaign_url(url)
     validate_resources(recipe)
     store = CampaignStore(url)
     resolved = dump_recipe(recipe)

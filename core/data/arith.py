@@ -38,13 +38,19 @@ def make_rows(num_rows: int, seed: int, split: str) -> list[dict[str, str]]:
 BUILTIN_DATASETS = ("builtin:tiny-arith/train", "builtin:tiny-arith/eval")
 
 
+def check_builtin_dataset(name: str, setting: str = "data.train_path") -> None:
+    from milepost.core.errors import UserError
+    if name not in BUILTIN_DATASETS:
+        raise UserError(f"{setting}: unknown builtin dataset `{name}`; available: {', '.join(BUILTIN_DATASETS)}, "
+                        "or a path to a JSONL / Parquet file")
+
+
 def write_builtin_dataset(name: str, data_cfg: Any, seed: int) -> str:
     """`builtin:tiny-arith/<split>` → a cached JSONL file (written atomically).
 
     `data_cfg` is a DataConfig: its num_train_rows / num_eval_rows size the split.
     """
-    if name not in BUILTIN_DATASETS:
-        raise ValueError(f"unknown builtin dataset `{name}`; available: {', '.join(BUILTIN_DATASETS)}")
+    check_builtin_dataset(name)
     split = name.rsplit("/", 1)[1]
     num_rows = data_cfg.num_train_rows if split == "train" else data_cfg.num_eval_rows
     path = cache_root() / "data" / f"tiny-arith-{split}-{num_rows}-{seed}.jsonl"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 from pathlib import Path
@@ -13,8 +14,89 @@ import torch
 
 from milepost.core.config import ModelConfig
 from milepost.core.data.arith import cache_root
+from milepost.core.errors import UserError
 
 BUILTIN_MODELS = ("builtin:tiny-arith",)
+# What makes a folder an HF checkpoint the engines and trainers can load: weights (one file,
+# or shards with their index) and a tokenizer beside config.json.
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+FIX = "pass a folder saved with save_pretrained (config.json, weights, tokenizer), or builtin:tiny-arith"
+
+
+class ModelPathError(UserError):
+    """`model.path` names nothing this run can load."""
+
+
+def check_model_path(model_cfg: ModelConfig) -> None:
+    """Whether `model.path` names a loadable model, without loading or building it: run at
+    validation, before the campaign store is written. Remote URLs are checked for config.json."""
+    path = model_cfg.path
+    if path.startswith("builtin:"):
+        if path not in BUILTIN_MODELS:
+            raise ModelPathError(f"model.path `{path}`: unknown builtin model; available: "
+                                 f"{', '.join(BUILTIN_MODELS)}, or an HF checkpoint folder")
+        return
+    protocol, _ = fsspec.core.split_protocol(path)
+    if protocol not in (None, "file", "local"):
+        _check_remote(path)
+        return
+    _check_local_folder(Path(fsspec.core.strip_protocol(path) if protocol else path), path)
+
+
+def _check_remote(url: str) -> None:
+    try:
+        fs, root = fsspec.core.url_to_fs(url)
+    except (ImportError, ValueError) as e:  # unknown protocol, or its package is not installed
+        raise ModelPathError(f"model.path `{url}`: cannot open it: {e}") from None
+    if not fs.isfile(f"{root.rstrip('/')}/config.json"):
+        raise ModelPathError(f"model.path `{url}` is not an HF checkpoint folder (no config.json there); {FIX}")
+
+
+def _check_local_folder(folder: Path, path: str) -> None:
+    if not folder.exists():
+        raise ModelPathError(f"model.path `{path}` does not exist; {FIX}")
+    if not folder.is_dir():
+        raise ModelPathError(f"model.path `{path}` is a file; point it at the checkpoint's folder")
+    config = folder / "config.json"
+    if not config.is_file():
+        raise ModelPathError(f"model.path `{path}` is not an HF checkpoint folder (no config.json); {FIX}")
+    try:
+        doc = json.loads(config.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelPathError(f"model.path `{path}`: config.json is not valid JSON ({e}); save the "
+                             "checkpoint again") from None
+    if not isinstance(doc, dict) or "model_type" not in doc:
+        raise ModelPathError(f"model.path `{path}`: config.json has no `model_type`, so no model class "
+                             "can be chosen; save the checkpoint again with save_pretrained")
+    if not any(any(folder.glob(p)) for p in WEIGHT_PATTERNS):
+        raise ModelPathError(f"model.path `{path}` has config.json but no weights (*.safetensors or "
+                             f"pytorch_model*.bin); {FIX}")
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelPathError(f"model.path `{path}` has no tokenizer ({', '.join(TOKENIZER_FILES)}); save the "
+                             "tokenizer into the same folder (tokenizer.save_pretrained)")
+
+
+def validation_tokenizer(model_cfg: ModelConfig) -> tuple[Any, int | None] | None:
+    """The policy's tokenizer and context length (max_position_embeddings, None if unknown),
+    cheaply, for checking prompts at validation; None when that needs a remote copy. The
+    builtin model's tokenizer and config are made without building (training) the model."""
+    path = model_cfg.path
+    if path == "builtin:tiny-arith":
+        from milepost.core.model import tiny
+        tokenizer = tiny.build_tokenizer()
+        return tokenizer, tiny._model_config(model_cfg.tiny, tokenizer).max_position_embeddings
+    protocol, _ = fsspec.core.split_protocol(path)
+    if path.startswith("builtin:") or protocol not in (None, "file", "local"):
+        return None
+    local = fsspec.core.strip_protocol(path) if protocol else path
+    try:
+        tokenizer = load_tokenizer(local)
+    except Exception as e:  # noqa: BLE001 - any failure to load it is the checkpoint's
+        raise ModelPathError(f"model.path `{path}`: its tokenizer does not load ({type(e).__name__}: {e}); "
+                             "save it again with tokenizer.save_pretrained") from None
+    context = json.loads((Path(local) / "config.json").read_text()).get("max_position_embeddings")
+    return tokenizer, int(context) if isinstance(context, int) else None
 
 
 def resolve_model_path(model_cfg: ModelConfig, seed: int) -> str:
@@ -24,14 +106,12 @@ def resolve_model_path(model_cfg: ModelConfig, seed: int) -> str:
         from milepost.core.model import tiny
         return tiny.build(model_cfg.tiny, seed)
     if path.startswith("builtin:"):
-        raise ValueError(f"model.path `{path}`: unknown builtin model; available: {', '.join(BUILTIN_MODELS)}")
+        raise ModelPathError(f"model.path `{path}`: unknown builtin model; available: {', '.join(BUILTIN_MODELS)}")
     protocol, _ = fsspec.core.split_protocol(path)
     if protocol not in (None, "file", "local"):
         return _copy_remote_checkpoint(path)
     local = fsspec.core.strip_protocol(path) if protocol else path
-    if not (Path(local) / "config.json").is_file():
-        raise ValueError(f"model.path `{path}` is not an HF checkpoint folder (no config.json); "
-                         "pass a folder saved with save_pretrained, or builtin:tiny-arith")
+    _check_local_folder(Path(local), path)
     return str(local)
 
 
@@ -42,8 +122,7 @@ def _copy_remote_checkpoint(url: str) -> str:
         return str(final)
     fs, root = fsspec.core.url_to_fs(url)
     if not fs.isfile(f"{root.rstrip('/')}/config.json"):
-        raise ValueError(f"model.path `{url}` is not an HF checkpoint folder (no config.json there); "
-                         "point it at a folder saved with save_pretrained")
+        raise ModelPathError(f"model.path `{url}` is not an HF checkpoint folder (no config.json there); {FIX}")
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -2,6 +2,7 @@ import sys
 
 import pytest
 
+from milepost.core.errors import UserError
 from milepost.core.reward import (REWARD_FUNCTIONS, RewardEvaluator, math_final_answer_reward,
                                   resolve_reward_fn, tiny_arith_reward)
 from milepost.core.types import Sample
@@ -75,8 +76,10 @@ def test_reward_evaluator_keeps_order_and_sets_rewards():
     assert [s.reward for s in samples] == [i % 2 for i in range(9)]
 
 
-def test_a_failing_reward_names_the_sample():
+def test_a_reward_that_fails_on_every_sample_stops_the_step_with_its_own_error():
     def boom(response_text, label):
         raise KeyError("bad")
-    with pytest.raises(RuntimeError, match="prompt 3"):
-        RewardEvaluator(boom, 2).score([_sample(3, "x")])
+    with pytest.raises(UserError, match=r"`boom` failed on every sample of step 4: KeyError: 'bad' "
+                                        r"\(first failure: prompt 3 \(group 3\), response 'x'\)") as info:
+        RewardEvaluator(boom, 2).score([_sample(3, "x")], step=4)
+    assert isinstance(info.value.__cause__, KeyError)  # the reward's own traceback is kept
