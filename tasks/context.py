@@ -16,6 +16,7 @@ from milepost.core.recipe_io import recipe_from_dict
 from milepost.core.store import CampaignStore
 
 FLEET_DOC = "fleet.json"
+ENGINE_ADMIN_KEY = "engine_admin_key"  # secret name: the engines' --admin-api-key (core/secrets.py)
 
 
 def campaign_id(url: str) -> str:
@@ -100,7 +101,15 @@ class StageContext:
         if doc is None:
             raise RuntimeError(f"block {self.block} has no fleet recorded: the rollout stage must run first")
         self.connect()
-        return Fleet.attach(doc, self.recipe.rollout, on_change=self.write_fleet)
+        return Fleet.attach(doc, self.recipe.rollout, on_change=self.write_fleet,
+                            admin_key_path=self.engine_admin_key_path())
+
+    def engine_admin_key_path(self) -> str:
+        """The file holding the campaign's engine admin key (created owner-only on first use).
+        Engines and clients get this path, never the key: it stays out of records and logs."""
+        from milepost.core.secrets import ensure_secret
+
+        return str(ensure_secret(self.store.local_path(), ENGINE_ADMIN_KEY))
 
     def model_path(self) -> str:
         from milepost.core.model.loading import resolve_model_path

@@ -31,7 +31,8 @@ def rollout(ctx: StageContext) -> dict[str, Any]:
     host = "127.0.0.1" if ctx.recipe.cluster.executor == "local" else None
     fleet = Fleet.start(serve_path, ctx.recipe.rollout.num_engines, ctx.recipe.rollout, version, host,
                         log_dir=str(log_dir), detached=True, on_change=ctx.write_fleet,
-                        placement=placement_for(ctx.recipe, RANK_NUM_CPUS))
+                        placement=placement_for(ctx.recipe, RANK_NUM_CPUS),
+                        admin_key_path=ctx.engine_admin_key_path())
     try:
         unhealthy = [url for url, ok in fleet.health_check().items() if not ok]
         if unhealthy:

@@ -42,14 +42,17 @@ class EngineActor:
         self.sched: Any = None  # the server's Scheduler, once its model load has begun
 
     def launch(self, model_path: str, weight_version: str, max_batch_size: int, host: str | None = "127.0.0.1",
-               load_delay_s: float = 0.0) -> tuple[str, int]:
+               load_delay_s: float = 0.0, admin_key_path: str | None = None) -> tuple[str, int]:
         """Start the server thread; returns (url, pid) at once, before the model is loaded.
-        `host` None: this node's IP literal (engines of a multi-node cluster must be reachable).
+        `host` None: this node's IP literal (engines of a multi-node cluster must be reachable),
+        never 0.0.0.0. `admin_key_path`: a file with the admin key (read here: the key itself
+        never travels through Ray nor a command line).
 
         `load_delay_s` (tests only) delays the model load while the server already answers
         503, which is how a slow cold start looks to a health checker.
         """
         from milepost.core.engine import server  # heavy imports only inside the actor
+        from milepost.core.engine.http_guard import read_key_file
 
         load = server.load_engine
 
@@ -65,8 +68,10 @@ class EngineActor:
         port = free_port(host)
         print(f"engine pid {os.getpid()} serving {model_path} (version {weight_version}) on {host}:{port}",
               flush=True)
+        admin_key = read_key_file(admin_key_path) if admin_key_path else None
         self.thread = threading.Thread(target=server.serve, daemon=True, name="engine-http",
-                                       args=(model_path, host, port, weight_version, max_batch_size))
+                                       args=(model_path, host, port, weight_version, max_batch_size),
+                                       kwargs={"admin_api_key": admin_key})
         self.thread.start()
         return f"http://{host}:{port}", os.getpid()
 

@@ -2,6 +2,12 @@
 
 The same client drives the built-in engine and real SGLang. Control calls (pause, weight
 updates) must go to each engine directly: sglang-router answers 404 to them.
+
+Admin key: given one, the client sends `Authorization: Bearer <key>` with every request, as
+SGLang expects with `--admin-api-key` (the read-only endpoints ignore it). The key lives
+only in the HTTP client's headers: it is not an attribute, not in any message or repr.
+Give the router's client no key: the router forwards the `authorization` header to the
+engines, so the key would travel with every /generate for nothing.
 """
 
 from __future__ import annotations
@@ -9,6 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+
+from milepost.core.engine.http_guard import bearer_header
 
 
 class EngineError(RuntimeError):
@@ -36,10 +44,11 @@ def _server_message(reply: httpx.Response) -> str:
 class EngineClient:
     """Sync client; every call has a timeout. Thread-safe (httpx.Client is)."""
 
-    def __init__(self, base_url: str, timeout_s: float = 300.0) -> None:
+    def __init__(self, base_url: str, timeout_s: float = 300.0, admin_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
-        self._http = httpx.Client(timeout=timeout_s)
+        self._http = httpx.Client(timeout=timeout_s, headers=bearer_header(admin_key) if admin_key else None)
+        self._takes_push_id: bool | None = None  # /server_info's `accepts_push_id`, asked once
 
     def _call(self, method: str, endpoint: str, body: dict[str, Any] | None = None,
               timeout_s: float | None = None) -> Any:
@@ -126,11 +135,23 @@ class EngineClient:
                                      timeout_s: float | None = None) -> dict[str, Any]:
         return self._control("/destroy_weights_update_group", {"group_name": group_name}, timeout_s)
 
-    def pause(self, mode: str = "abort", timeout_s: float | None = None) -> dict[str, Any]:
-        return self._call("POST", "/pause_generation", {"mode": mode}, timeout_s)
+    def pause(self, mode: str = "abort", timeout_s: float | None = None, push_id: str | None = None) -> dict[str, Any]:
+        """`push_id` (one per weight push, also given to its continue) lets an engine that
+        announces `accepts_push_id` ignore this pause if it arrives after that continue."""
+        return self._call("POST", "/pause_generation", {"mode": mode, **self._push_field(push_id, timeout_s)},
+                          timeout_s)
 
-    def continue_generation(self, timeout_s: float | None = None) -> dict[str, Any]:
-        return self._call("POST", "/continue_generation", {}, timeout_s)
+    def continue_generation(self, timeout_s: float | None = None, push_id: str | None = None) -> dict[str, Any]:
+        return self._call("POST", "/continue_generation", self._push_field(push_id, timeout_s), timeout_s)
+
+    def _push_field(self, push_id: str | None, timeout_s: float | None) -> dict[str, str]:
+        """{"push_id": id} for an engine that announced it takes one (milepost's extension;
+        SGLang would ignore the field, but extensions go only where announced), else {}."""
+        if push_id is None:
+            return {}
+        if self._takes_push_id is None:
+            self._takes_push_id = bool(self.server_info(timeout_s).get("accepts_push_id", False))
+        return {"push_id": push_id} if self._takes_push_id else {}
 
     def flush_cache(self, timeout_s: float | None = None) -> Any:
         return self._call("POST", "/flush_cache", None, timeout_s)

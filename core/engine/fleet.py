@@ -12,6 +12,11 @@ them again, and `Fleet.attach(doc, cfg)` in another process re-attaches a superv
 them. `on_change(doc)` is called whenever that document changes (an engine restarted, new
 weights served), so the caller can keep its record current. Such a fleet dies with its Ray
 cluster, or by `stop()`; `detach()` leaves it running.
+
+Admin key: `admin_key_path` names a file holding the engines' admin key (the campaign's
+secret, core/secrets.py). Engines read it from there (never from argv), the fleet's engine
+clients send it, the router's client does not; `describe()` (the record) holds neither key
+nor path.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import ray
 from milepost.core.config import RolloutConfig
 from milepost.core.engine.actor import EngineActor, RouterActor
 from milepost.core.engine.client import EngineClient
+from milepost.core.engine.http_guard import read_key_file
 from milepost.core.engine.retrying import RetryingClient
 from milepost.core.engine.router import Router
 from milepost.core.engine.supervisor import FleetError, FleetSupervisor, Slot
@@ -68,8 +74,11 @@ class Fleet:
 
     def __init__(self, model_path: str, weight_version: str, cfg: RolloutConfig, host: str | None,
                  log_dir: str | None = None, detached: bool = False,
-                 on_change: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 on_change: Callable[[dict[str, Any]], None] | None = None,
+                 admin_key_path: str | None = None) -> None:
         self.base_model_path, self.base_weight_version = model_path, weight_version
+        self.admin_key_path = admin_key_path  # engines read the key from this file
+        self._admin_key = read_key_file(admin_key_path) if admin_key_path else None
         self.cfg, self.host, self.detached, self.on_change = cfg, host, detached, on_change
         self.router_actor: Any = None  # the RouterActor of a detached fleet
         self.router_name: str | None = None
@@ -93,11 +102,12 @@ class Fleet:
     def start(cls, model_path: str, num_engines: int, cfg: RolloutConfig, weight_version: str = "0",
               host: str | None = "127.0.0.1", *, load_delay_s: float = 0.0, log_dir: str | None = None,
               detached: bool = False, on_change: Callable[[dict[str, Any]], None] | None = None,
-              placement: Placement | None = None) -> "Fleet":
+              placement: Placement | None = None, admin_key_path: str | None = None) -> "Fleet":
         """Launch the engines, wait until each is healthy, start the router in front.
         `host` None: each engine and the router bind their node's IP (multi-node clusters).
-        `load_delay_s` (tests only) makes every engine's cold start that much slower."""
-        fleet = cls(model_path, weight_version, cfg, host, log_dir, detached, on_change)
+        `load_delay_s` (tests only) makes every engine's cold start that much slower.
+        `admin_key_path`: a file with the engines' admin key (module docstring)."""
+        fleet = cls(model_path, weight_version, cfg, host, log_dir, detached, on_change, admin_key_path)
         fleet.supervisor.load_delay_s = load_delay_s
         if placement is not None:
             fleet.placement_group = ensure_group(placement)
@@ -118,12 +128,13 @@ class Fleet:
 
     @classmethod
     def attach(cls, doc: dict[str, Any], cfg: RolloutConfig,
-               on_change: Callable[[dict[str, Any]], None] | None = None) -> "Fleet":
+               on_change: Callable[[dict[str, Any]], None] | None = None,
+               admin_key_path: str | None = None) -> "Fleet":
         """Re-attach to a detached fleet described by `doc` (from `describe()`), with a
         supervisor of its own. The caller is connected to the fleet's Ray cluster and
         namespace. An engine whose actor is gone is replaced at the supervisor's first check."""
         path, version = doc["served"]
-        fleet = cls(path, str(version), cfg, doc.get("host"), doc["log_dir"], True, on_change)
+        fleet = cls(path, str(version), cfg, doc.get("host"), doc["log_dir"], True, on_change, admin_key_path)
         if doc.get("engine_bundles") is not None:
             fleet.placement_group, fleet.engine_bundles = find_group(), list(doc["engine_bundles"])
         slots = [fleet._adopted_slot(e, path, str(version)) for e in doc["engines"]]
@@ -140,10 +151,14 @@ class Fleet:
     def _adopted_slot(self, engine: dict[str, Any], path: str, version: str) -> Slot:
         actor = _named_actor(engine["name"])
         slot = Slot(engine["index"], engine["generation"], actor, engine["url"], engine["pid"],
-                    engine["log_path"], path, version, EngineClient(engine["url"], self.cfg.request_timeout_s),
+                    engine["log_path"], path, version, self.engine_client(engine["url"]),
                     state="serving" if actor is not None else "dead", name=engine["name"])
         slot.reason = "" if actor is not None else f"actor {engine['name']} not found"
         return slot
+
+    def engine_client(self, url: str) -> EngineClient:
+        """A client of one engine of this fleet (it sends the admin key, if any)."""
+        return EngineClient(url, self.cfg.request_timeout_s, admin_key=self._admin_key)
 
     def _start_router(self) -> Router:
         if not self.detached:

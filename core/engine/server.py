@@ -2,6 +2,11 @@
 `generation.Generator`, so the same client and sglang-router drive it or real SGLang.
 
 Run: python -m milepost.core.engine.server --model-path P --host 127.0.0.1 --port N
+         [--admin-api-key-file F | --admin-api-key K] [--max-request-body-mb M]
+
+Admin endpoints need the admin key when one is set, exactly as SGLang's --admin-api-key
+(rules in http_guard.py). Prefer --admin-api-key-file: a key on the command line is visible
+to every user of the machine through `ps`.
 """
 
 from __future__ import annotations
@@ -10,11 +15,12 @@ import argparse
 import asyncio
 import glob
 import logging
+import math
 import os
 import threading
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any
 
 import torch
@@ -24,6 +30,7 @@ from fastapi.responses import JSONResponse
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from milepost.core.engine.http_guard import DEFAULT_MAX_BODY_MB, guard, read_key_file
 from milepost.core.engine.generation import Generator, SamplingParams, Sequence, make_sequences
 from milepost.core.engine.memory import MemoryOccupation, parse_tags
 from milepost.core.engine.weight_receiver import WeightReceiver
@@ -47,6 +54,8 @@ NEUTRAL_ONLY = {"frequency_penalty", "presence_penalty", "repetition_penalty", "
                 "json_schema", "ebnf", "structural_tag", "logit_bias"}
 NUMBER_TYPES = {"max_new_tokens": int, "top_k": int, "n": int, "min_new_tokens": int,
                 "temperature": float, "top_p": float, "min_p": float}
+MAX_SEQUENCES_PER_REQUEST = 16384  # prompts × n of one /generate: more is a mistake, not a batch
+NUM_CONTINUED_PUSHES = 256  # push ids remembered by the pause/continue ordering guard
 
 
 class Scheduler:
@@ -61,6 +70,14 @@ class Scheduler:
     batch has ended, `in_place` returns at once and parks the batch between steps.
     Session weight updates (begin → buckets → version → end) are staged by `receiver` and
     swapped in under `model_lock` at their end (rules in WeightReceiver).
+
+    Pause/continue ordering guard (optional; SGLang's clients send no push id and get
+    SGLang's behaviour): a pause and the continue of one weight push may carry the same
+    `push_id`. A continue records its id; a pause whose id was already continued is stale
+    (it waited in a socket, e.g. while the engine was stopped, and arrived after the
+    cleanup's continue of its own push) and is ignored, so it can never leave the engine
+    paused. The check and the record both happen under `_cv`: whichever of the two is
+    handled first, the engine ends unpaused. The last NUM_CONTINUED_PUSHES ids are kept.
     """
 
     def __init__(self, model_path: str, weight_version: str = "0", max_batch_size: int = 512,
@@ -72,6 +89,7 @@ class Scheduler:
         self._queue: deque[Sequence] = deque()
         self._running: list[Sequence] = []
         self._paused: str | None = None
+        self._continued: OrderedDict[str, None] = OrderedDict()  # push ids whose continue arrived
         self._updating = False
         self.receiver = WeightReceiver(self, weight_update_timeout_s)
         self.memory = MemoryOccupation(self)
@@ -85,6 +103,7 @@ class Scheduler:
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         decode = self.tokenizer.decode if self.tokenizer else None
         self.vocab_size = cfg.vocab_size
+        self.context_len = getattr(cfg, "max_position_embeddings", None)
         self.generator = Generator(self.model, eos, cfg.pad_token_id or 0, decode)
         threading.Thread(target=self._loop, daemon=True, name="engine-scheduler").start()
         self.ready = True
@@ -128,8 +147,11 @@ class Scheduler:
                 self._cv.wait()
             return self._paused == "retract"
 
-    def pause(self, mode: str) -> None:
+    def pause(self, mode: str, push_id: str | None = None) -> bool:
+        """Pause (see the class docstring); False if `push_id` was already continued (ignored)."""
         with self._cv:
+            if push_id is not None and push_id in self._continued:
+                return False
             self._paused = mode
             self._cv.notify_all()
         if mode == "abort":
@@ -137,9 +159,15 @@ class Scheduler:
         if mode in ("abort", "retract"):
             with self._cv:
                 self._cv.wait_for(lambda: not self._running)
+        return True
 
-    def resume(self) -> None:
+    def resume(self, push_id: str | None = None) -> None:
         with self._cv:
+            if push_id is not None:
+                self._continued[push_id] = None
+                self._continued.move_to_end(push_id)
+                while len(self._continued) > NUM_CONTINUED_PUSHES:
+                    self._continued.popitem(last=False)
             self._paused = None
             self._cv.notify_all()
 
@@ -265,8 +293,10 @@ def parse_sampling(raw: Any) -> tuple[SamplingParams, int, bool]:
             raise BadRequest(f"sampling param `{key}` is not supported by the built-in engine")
     v = {k: raw.get(k) if raw.get(k) is not None else d for k, d in SAMPLING_KEYS.items()}
     for key, typ in NUMBER_TYPES.items():
-        if isinstance(v[key], bool) or not isinstance(v[key], (int, float)) or (typ is int and v[key] != int(v[key])):
-            raise BadRequest(f"sampling param `{key}` must be {typ.__name__}, got {v[key]!r}")
+        val = v[key]
+        if isinstance(val, bool) or not isinstance(val, (int, float)) or not math.isfinite(val) or (
+                typ is int and val != int(val)):
+            raise BadRequest(f"sampling param `{key}` must be a finite {typ.__name__}, got {val!r:.80}")
     stop = v["stop"] if v["stop"] is not None else []
     stop = [stop] if isinstance(stop, str) else stop
     ids = v["stop_token_ids"] or []
@@ -277,8 +307,10 @@ def parse_sampling(raw: Any) -> tuple[SamplingParams, int, bool]:
     seed = v["sampling_seed"]
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise BadRequest("`sampling_seed` must be an int")
-    if v["temperature"] < 0 or not 0 < v["top_p"] <= 1 or v["n"] < 1 or v["max_new_tokens"] < 0:
-        raise BadRequest("need temperature >= 0, 0 < top_p <= 1, n >= 1, max_new_tokens >= 0")
+    if (v["temperature"] < 0 or not 0 < v["top_p"] <= 1 or not 0 <= v["min_p"] <= 1 or v["n"] < 1
+            or v["max_new_tokens"] < 0 or v["min_new_tokens"] < 0 or v["top_k"] == 0 or v["top_k"] < -1):
+        raise BadRequest("need temperature >= 0, 0 < top_p <= 1, 0 <= min_p <= 1, n >= 1, max_new_tokens >= 0, "
+                         "min_new_tokens >= 0 and top_k -1 (off) or >= 1")
     params = SamplingParams(int(v["max_new_tokens"]), float(v["temperature"]), float(v["top_p"]),
                             int(v["top_k"]), float(v["min_p"]), list(ids), stop, bool(v["ignore_eos"]),
                             int(v["min_new_tokens"]), seed)
@@ -310,6 +342,20 @@ def _prompts(body: dict, sched: Scheduler) -> tuple[list[list[int]], bool]:
     return rows, batched
 
 
+def check_size(prompts: list[list[int]], params: SamplingParams, n: int, context_len: int | None) -> None:
+    """Refuse what the engine cannot or should not run: more sequences than
+    MAX_SEQUENCES_PER_REQUEST, or prompt + max_new_tokens beyond the model's context length
+    (SGLang answers 400 to the latter too)."""
+    if len(prompts) * n > MAX_SEQUENCES_PER_REQUEST:
+        raise BadRequest(f"{len(prompts)} prompts × n={n} is more than {MAX_SEQUENCES_PER_REQUEST} sequences "
+                         "in one request: split it")
+    longest = max(len(p) for p in prompts)
+    if context_len is not None and longest + params.max_new_tokens > context_len:
+        raise BadRequest(f"requested {longest} prompt tokens + max_new_tokens {params.max_new_tokens}, more than "
+                         f"the model's maximum context length of {context_len} tokens: shorten the prompt or "
+                         "lower max_new_tokens")
+
+
 def _response(s: Sequence, sched: Scheduler, body: dict, skip_special: bool, t0: float, version: str) -> dict:
     meta: dict[str, Any] = {
         "id": s.rid, "finish_reason": s.finish_reason, "prompt_tokens": len(s.prompt_ids),
@@ -333,6 +379,14 @@ async def _memory_call(request: Request, call: Any) -> JSONResponse:
     return JSONResponse({"success": status == 200, "message": message}, status_code=status)
 
 
+def _push_id(body: dict) -> str | None:
+    """The optional `push_id` of a pause or continue (Scheduler's ordering guard)."""
+    push_id = body.get("push_id")
+    if push_id is not None and not (isinstance(push_id, str) and 0 < len(push_id) <= 128):
+        raise BadRequest("`push_id` must be a string of 1 to 128 characters")
+    return push_id
+
+
 async def _json(request: Request) -> dict:
     try:
         body = await request.json()
@@ -344,7 +398,7 @@ async def _json(request: Request) -> dict:
 
 
 def create_app(sched: Scheduler) -> FastAPI:
-    app = FastAPI()
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)  # only the protocol's routes
 
     @app.exception_handler(BadRequest)
     async def _bad(_: Request, exc: BadRequest) -> JSONResponse:
@@ -361,9 +415,10 @@ def create_app(sched: Scheduler) -> FastAPI:
             raise BadRequest("streaming is not supported by the built-in engine")
         params, n, skip = parse_sampling(body.get("sampling_params"))
         prompts, batched = _prompts(body, sched)
+        check_size(prompts, params, n, sched.context_len)
         start = body.get("logprob_start_len", -1)
-        if not isinstance(start, int) or start >= min(len(p) for p in prompts):
-            raise BadRequest("`logprob_start_len` must be an int < prompt length")
+        if not isinstance(start, int) or isinstance(start, bool) or not -1 <= start < min(len(p) for p in prompts):
+            raise BadRequest("`logprob_start_len` must be an int in [-1, prompt length)")
         rid = body.get("rid") or uuid.uuid4().hex
         seqs = [s for p in prompts for s in make_sequences(p, params, n, str(rid), start)]
         await sched.submit(seqs)
@@ -384,17 +439,20 @@ def create_app(sched: Scheduler) -> FastAPI:
 
     @app.post("/pause_generation")
     async def pause(request: Request) -> Any:
-        mode = (await _json(request)).get("mode", "abort")
+        body = await _json(request)
+        mode, push_id = body.get("mode", "abort"), _push_id(body)
         if mode not in ("abort", "retract", "in_place"):
             raise BadRequest("`mode` must be abort, retract or in_place")
         if await client_gone(request):  # its caller timed out (e.g. we were stopped) and may
             raise BadRequest("client went away")  # already have sent continue: do not pause
-        await asyncio.to_thread(sched.pause, mode)
+        if not await asyncio.to_thread(sched.pause, mode, push_id):
+            return JSONResponse({"success": False, "message": f"ignored: push {push_id} was already continued "
+                                 "(a stale pause)"}, status_code=409)
         return {"success": True, "message": f"paused ({mode})"}
 
     @app.post("/continue_generation")
-    async def resume() -> Any:
-        sched.resume()
+    async def resume(request: Request) -> Any:
+        sched.resume(_push_id(await _json(request) if await request.body() else {}))
         return {"success": True, "message": "continued"}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
@@ -456,7 +514,8 @@ def create_app(sched: Scheduler) -> FastAPI:
     async def server_info() -> Any:
         return {"model_path": sched.model_path, "served_model_name": sched.model_path, "dp_size": 1,
                 "tp_size": 1, "weight_version": sched.weight_version, "max_batch_size": sched.max_batch_size,
-                "max_gloo_streams": MAX_GLOO_STREAMS}  # /init_weights_update_group takes `gloo_streams`
+                "max_gloo_streams": MAX_GLOO_STREAMS,  # /init_weights_update_group takes `gloo_streams`
+                "accepts_push_id": True}  # /pause_generation and /continue_generation take `push_id`
 
     @app.get("/get_load")
     async def get_load() -> Any:
@@ -466,25 +525,43 @@ def create_app(sched: Scheduler) -> FastAPI:
 
 
 def serve(model_path: str, host: str, port: int, weight_version: str = "0", max_batch_size: int = 512,
-          weight_update_timeout_s: float = 300.0) -> None:
-    """Bind at once (health answers 503), load the model in the background, serve forever."""
+          weight_update_timeout_s: float = 300.0, admin_api_key: str | None = None,
+          max_body_mb: float = DEFAULT_MAX_BODY_MB) -> None:
+    """Bind at once (health answers 503), load the model in the background, serve forever.
+    `admin_api_key`: admin endpoints need it (http_guard.py); None leaves them open."""
     sched = Scheduler(model_path, weight_version, max_batch_size, weight_update_timeout_s)
     threading.Thread(target=load_engine, args=(sched,), daemon=True, name="engine-load").start()
-    uvicorn.run(create_app(sched), host=host, port=port, log_level="warning")
+    app = guard(create_app(sched), admin_api_key, int(max_body_mb * 2**20))
+    uvicorn.run(app, host=host, port=port, log_level="warning")
+
+
+def admin_key_from_args(key: str | None, key_file: str | None) -> str | None:
+    """The admin key of --admin-api-key (SGLang's flag) or --admin-api-key-file (preferred)."""
+    if key and key_file:
+        raise SystemExit("give --admin-api-key or --admin-api-key-file, not both")
+    return read_key_file(key_file) if key_file else (key or None)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description="milepost built-in rollout engine (SGLang protocol)")
     ap.add_argument("--model-path", required=True)
-    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--host", default="127.0.0.1", help="address to bind: loopback unless a cluster-internal "
+                                                        "address is given (never 0.0.0.0 unless meant)")
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--weight-version", default="0")
     ap.add_argument("--max-batch-size", type=int, default=512)
     ap.add_argument("--weight-update-timeout-s", type=float, default=300.0,
                     help="idle time after which a weight-update session is stale; also the "
                          "timeout of the weight-update group's rendezvous and broadcasts")
+    ap.add_argument("--admin-api-key", default=None,
+                    help="SGLang's flag: admin endpoints need `Authorization: Bearer KEY`. Visible in `ps`: "
+                         "prefer --admin-api-key-file")
+    ap.add_argument("--admin-api-key-file", default=None, help="a file holding the admin key")
+    ap.add_argument("--max-request-body-mb", type=float, default=DEFAULT_MAX_BODY_MB,
+                    help="larger request bodies get 413")
     a = ap.parse_args()
-    serve(a.model_path, a.host, a.port, a.weight_version, a.max_batch_size, a.weight_update_timeout_s)
+    serve(a.model_path, a.host, a.port, a.weight_version, a.max_batch_size, a.weight_update_timeout_s,
+          admin_key_from_args(a.admin_api_key, a.admin_api_key_file), a.max_request_body_mb)
 
 
 if __name__ == "__main__":

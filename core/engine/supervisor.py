@@ -288,7 +288,8 @@ class FleetSupervisor:
         options = {**self.fleet.actor_options(f"engine-{index}.{generation}"), **self.fleet.engine_placement(index)}
         actor = EngineActor.options(**options).remote(log_path)
         path, version = self.fleet.base_model_path, self.fleet.base_weight_version
-        ref = actor.launch.remote(path, version, self.cfg.max_batch_size, self.fleet.host, self.load_delay_s)
+        ref = actor.launch.remote(path, version, self.cfg.max_batch_size, self.fleet.host, self.load_delay_s,
+                                  self.fleet.admin_key_path)
         return index, generation, actor, log_path, ref, options.get("name", "")
 
     def _finish_launch(self, index: int, generation: int, actor: Any, log_path: str, ref: Any,
@@ -300,7 +301,7 @@ class FleetSupervisor:
             raise FleetError(f"engine {index} did not launch: {e}\nLast lines of {log_path}:\n"
                              f"{log_tail(log_path)}") from e
         return Slot(index, generation, actor, url, pid, log_path, self.fleet.base_model_path,
-                    self.fleet.base_weight_version, EngineClient(url, self.cfg.request_timeout_s), name=name)
+                    self.fleet.base_weight_version, self.fleet.engine_client(url), name=name)
 
     def _set_state(self, slot: Slot, state: str, expect: str, reason: str = "") -> bool:
         with self._lock:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -52,17 +53,18 @@ class DiskTransport:
 
     def _attempt(self, clients: list[EngineClient], export_dir: str, version: str) -> None:
         deadline = Deadline(self.timeout_s, f"disk push of policy version {version}")
+        push_id = uuid.uuid4().hex  # pause and continue of this attempt: a late pause is ignored
         flush = self.pause_mode != "in_place"
         pool = ThreadPoolExecutor(max_workers=len(clients) + 1, thread_name_prefix="weight-sync")
         try:
             on_engines(pool, clients, "pause_generation",
-                       lambda c: c.pause(self.pause_mode, timeout_s=deadline.left()), deadline)
+                       lambda c: c.pause(self.pause_mode, timeout_s=deadline.left(), push_id=push_id), deadline)
             if flush:
                 on_engines(pool, clients, "flush_cache", lambda c: c.flush_cache(timeout_s=deadline.left()), deadline)
             on_engines(pool, clients, "update_weights_from_disk", lambda c: c.update_weights_from_disk(
                 export_dir, weight_version=version, flush_cache=flush, timeout_s=deadline.left()), deadline)
         finally:
             best_effort(pool, clients, self.cleanup_timeout_s,
-                        lambda c, d: c.continue_generation(timeout_s=d.left()))
+                        lambda c, d: c.continue_generation(timeout_s=d.left(), push_id=push_id))
             pool.shutdown(wait=False, cancel_futures=True)
         verify_versions(clients, version, max(self.cleanup_timeout_s, 1.0))

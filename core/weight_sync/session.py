@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -28,6 +29,8 @@ class SessionTransport:
     WeightSyncError at once. So a push ends within about num_attempts × (timeout_s +
     cleanup_timeout_s), one attempt's worth when something did not answer; it never hangs
     and never leaves a reachable engine paused. One push at a time per transport object.
+    The pause and the continue of one attempt carry one `push_id`: an engine that was
+    stopped and gets the attempt's pause only after its continue ignores that pause.
     """
 
     name = "session"
@@ -69,10 +72,11 @@ class SessionTransport:
         deadline = Deadline(self.timeout_s, f"{self.name} push of policy version {version}")
         pool = ThreadPoolExecutor(max_workers=2 * len(clients) + 4, thread_name_prefix="weight-sync")
         opened = committed = False
+        push_id = uuid.uuid4().hex  # pause and continue of this attempt: a late pause is ignored
         try:
             self._prepare(pool, clients, backend, deadline)
             on_engines(pool, clients, "pause_generation",
-                       lambda c: c.pause(self.pause_mode, timeout_s=deadline.left()), deadline)
+                       lambda c: c.pause(self.pause_mode, timeout_s=deadline.left(), push_id=push_id), deadline)
             if self.pause_mode != "in_place":  # in_place keeps requests (and their cache) alive
                 on_engines(pool, clients, "flush_cache", lambda c: c.flush_cache(timeout_s=deadline.left()), deadline)
             opened = True  # a begin that timed out may still have opened a session
@@ -93,7 +97,7 @@ class SessionTransport:
             # after a commit the version check needs no paused engine: it runs beside continue
             check = pool.submit(verify_versions, clients, version, self.cleanup_timeout_s, pool) if committed else None
             best_effort(pool, clients, self.cleanup_timeout_s,
-                        lambda c, d: self._cleanup(c, d, opened and not committed, not committed))
+                        lambda c, d: self._cleanup(c, d, push_id, opened and not committed, not committed))
             if trainer is not None:
                 try:
                     trainer.result(timeout=max(0.1, cleanup_end - time.monotonic()))
@@ -106,7 +110,8 @@ class SessionTransport:
                 pool.shutdown(wait=False, cancel_futures=True)
         return nbytes, send_s
 
-    def _cleanup(self, client: EngineClient, deadline: Deadline, end_session: bool, failed: bool) -> None:
+    def _cleanup(self, client: EngineClient, deadline: Deadline, push_id: str, end_session: bool,
+                 failed: bool) -> None:
         """One engine's cleanup: abort an open session (the engine discards what it staged),
         continue, then the transport's own engine-side cleanup."""
         if end_session:
@@ -114,7 +119,7 @@ class SessionTransport:
                 client.end_weight_update(abort=True, timeout_s=deadline.left())
             except Exception as exc:  # noqa: BLE001 - may have no session: continue anyway
                 log.info("ending the session on %s: %s", client.base_url, exc)
-        client.continue_generation(timeout_s=deadline.left())
+        client.continue_generation(timeout_s=deadline.left(), push_id=push_id)
         if failed:
             self._engine_failure_cleanup(client, deadline)
 

@@ -21,6 +21,13 @@ engine uses. The header's generation (random per write) must equal the descripto
 late request never takes a file rewritten since. Header: int64 magic, generation, nbytes.
 Real SGLang carries CUDA IPC handles in the same field on GPU; this format is the built-in
 engine's CPU equivalent (JSON, not pickle, so a request can never run code).
+
+Allow-list (what the engine deserialises from a weight payload, and nothing else): base64
+of a JSON object in `serialized_named_tensors`, with format SHM_FORMAT, ints for sizes and offsets,
+dtypes named in DTYPES, shm names matching _SHM_NAME inside SHM_DIR (no "." or "..").
+A pickle (SGLang's own format: MultiprocessingSerializer, which SGLang 0.5.23 itself loads
+through an allow-list SafeUnpickler) is refused as such, never unpickled: no payload byte
+reaches pickle, torch.load or eval on the engine.
 """
 
 from __future__ import annotations
@@ -96,10 +103,21 @@ def encode_shm_descriptor(shm_name: str, nbytes: int, generation: int, specs: li
     return base64.b64encode(json.dumps(body).encode()).decode()
 
 
+PICKLE_PROTO = 0x80  # first byte of a pickle of protocol 2 or later (SGLang's payloads)
+
+
 def decode_shm_descriptor(blob: Any) -> dict[str, Any]:
-    """Parse and check a descriptor; ValueError names what is wrong."""
+    """Parse and check a descriptor (the allow-list in the module docstring); ValueError
+    names what is wrong."""
     try:
-        body = json.loads(base64.b64decode(blob, validate=True))
+        raw = base64.b64decode(blob, validate=True)
+    except Exception as exc:  # noqa: BLE001 - any garbage is the caller's error
+        raise ValueError(f"serialized_named_tensors is not base64 ({SHM_FORMAT} descriptor): {exc}") from None
+    if raw[:1] == bytes([PICKLE_PROTO]):
+        raise ValueError("serialized_named_tensors holds a pickle (SGLang's CUDA-IPC format): the built-in engine "
+                         f"never unpickles a request; send a {SHM_FORMAT} descriptor (TensorTransport does)")
+    try:
+        body = json.loads(raw)
     except Exception as exc:  # noqa: BLE001 - any garbage is the caller's error
         raise ValueError(f"serialized_named_tensors is not base64 JSON ({SHM_FORMAT}): {exc}") from None
     if not isinstance(body, dict) or body.get("format") != SHM_FORMAT:
@@ -120,8 +138,8 @@ def decode_shm_descriptor(blob: Any) -> dict[str, Any]:
 
 
 def shm_path(name: Any) -> str:
-    if not isinstance(name, str) or not _SHM_NAME.match(name):
-        raise ValueError(f"shared-memory name {name!r} must match {_SHM_NAME.pattern}")
+    if not isinstance(name, str) or not _SHM_NAME.match(name) or name in (".", ".."):
+        raise ValueError(f"shared-memory name {name!r:.80} must match {_SHM_NAME.pattern} (not . or ..)")
     return os.path.join(SHM_DIR, name)
 
 
