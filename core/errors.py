@@ -17,9 +17,23 @@ class UserError(ValueError):
     """A mistake in the user's input; the message says what to change."""
 
 
+def _causes(error: BaseException) -> list[BaseException]:
+    """`error` and its chain of causes (`raise … from …`), outermost first."""
+    chain = [error]
+    while chain[-1].__cause__ is not None and len(chain) < 50:
+        chain.append(chain[-1].__cause__)
+    return chain
+
+
+def user_error_in(error: BaseException) -> UserError | None:
+    """The UserError that caused `error` (a wrapper such as a rollout thread's error keeps
+    it as its cause), or None: then the failure is the runtime's."""
+    return next((e for e in _causes(error) if isinstance(e, UserError)), None)
+
+
 def root_error_line(error: BaseException) -> str:
-    """`Type: message` of the innermost cause, on one line: what a user needs to see first."""
-    while error.__cause__ is not None and not isinstance(error, UserError):
-        error = error.__cause__
-    text = " ".join(str(error).split()) or "(no message)"
-    return f"{type(error).__name__}: {text}"
+    """`Type: message` on one line, of the user error behind `error` if there is one, else of
+    its innermost cause: what a user needs to see first."""
+    root = user_error_in(error) or _causes(error)[-1]
+    text = " ".join(str(root).split()) or "(no message)"
+    return f"{type(root).__name__}: {text}"

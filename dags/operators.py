@@ -177,8 +177,7 @@ class StageOperator(BaseOperator):
     def execute_complete(self, context: Any, event: dict[str, Any], stderr_path: str = "") -> dict[str, Any]:
         stderr_path = event.get("stderr_path") or stderr_path
         if event.get("status") != "done":
-            raise StageFailedError(f"block {event.get('block')} stage {event.get('stage')}: {event.get('detail')}; "
-                                   f"stage log: {stderr_path or 'see the job folder under <campaign>/jobs'}")
+            self._raise_failure(event, stderr_path)
         self.log.info("block %s %s: %s", event["block"], event["stage"], event.get("detail"))
         if event.get("submitted_at") is not None:
             _record_timing(event, float(event["submitted_at"]))
@@ -189,6 +188,21 @@ class StageOperator(BaseOperator):
             # The run is over once the allocation is released: the next block's run takes the lease.
             lease.release(CampaignStore(event["campaign_url"]), lease_owner(context))
         return {key: event[key] for key in ("campaign_url", "block", "stage", "job_id")}
+
+    def _raise_failure(self, event: dict[str, Any], stderr_path: str) -> None:
+        """The stage's root error first (from its record), then the job's state and its log.
+        A user error (recorded `error_kind: user`) fails the task for good: no retry fixes it."""
+        from airflow.sdk.exceptions import AirflowFailException
+        from milepost.core.store import CampaignStore
+        from milepost.tasks.failures import is_user_error, stage_failure
+
+        record = CampaignStore(event["campaign_url"]).stage_record(int(event["block"]), event["stage"]) or {}
+        failure = stage_failure(record, event.get("detail", ""), stderr_path)
+        message = f"block {event.get('block')} stage {event.get('stage')} failed: {failure}"
+        self.log.error("%s", message)
+        if is_user_error(record):
+            raise AirflowFailException(f"{message}\nThis is an input error, not retried: fix it and run again.")
+        raise StageFailedError(message)
 
 
 def _record_timing(event: dict[str, Any], submitted_at: float) -> None:

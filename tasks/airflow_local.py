@@ -27,6 +27,7 @@ from pathlib import Path
 
 import yaml
 from milepost.core.store import CampaignStore
+from milepost.tasks.failures import block_failure, is_user_error, stage_failure
 
 EXIT_DONE, EXIT_FAILED, EXIT_REFUSED, EXIT_PAUSED = 0, 1, 2, 3
 EMBEDDED_POLL_S = 0.5  # how often an in-process trigger looks at a local stage (the default is 5 s)
@@ -143,16 +144,16 @@ def run_embedded_blocks(url: str, dag_id: str) -> int:
                 "mode": "embedded", "dag_id": dag_id, "run_id": run.run_id, "state": state,
                 "started_at": started, "ended_at": time.time()})
             if state != "success":
-                if attempt < recipe.cluster.max_block_retries:
+                failed = block_failure(lambda stage: store.stage_record(block, stage), since=started)
+                logs.user.write(_failure_message(store, block, state, failed))
+                if attempt < recipe.cluster.max_block_retries and not (failed and is_user_error(failed[1])):
                     # The run's teardown released the block; a new run launches it afresh and
                     # train resumes from its last checkpoint (a lost node, a cancelled allocation).
                     attempt += 1
-                    logs.user.write(f"milepost: block {block}'s DAG run {state} (task log: {block_log(store, block)}); "
-                                    f"tearing the block down and launching it again ({attempt}/"
+                    logs.user.write(f"milepost: tearing block {block} down and launching it again ({attempt}/"
                                     f"{recipe.cluster.max_block_retries})\n")
                     continue
-                logs.user.write(f"milepost: block {block}'s DAG run {state}; its task log: {block_log(store, block)}\n")
-                return EXIT_FAILED
+                return EXIT_REFUSED if failed and is_user_error(failed[1]) else EXIT_FAILED
             attempt = 0
             decision = after_evaluate(store, recipe, block)
             if decision.action != "next":
@@ -162,6 +163,18 @@ def run_embedded_blocks(url: str, dag_id: str) -> int:
         return EXIT_DONE
     finally:
         logs.back()
+
+
+def _failure_message(store: CampaignStore, block: int, state: str,
+                     failed: tuple[str, dict] | None) -> str:
+    """What the user reads first: the failed stage and its root error, then where to look."""
+    head = f"milepost: block {block}'s DAG run {state}"
+    if failed is None:  # killed from outside: nothing recorded, the task log says what Airflow saw
+        return f"{head}; its task log: {block_log(store, block)}\n"
+    stage, record = failed
+    kind = "input error, not retried" if is_user_error(record) else "runtime error"
+    return (f"{head}: stage {stage} failed ({kind}): {stage_failure(record, '')}\n"
+            f"milepost: the block's task log: {block_log(store, block)}\n")
 
 
 def main(argv: list[str] | None = None) -> int:

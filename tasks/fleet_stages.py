@@ -15,12 +15,15 @@ from milepost.tasks.context import StageContext
 
 
 def rollout(ctx: StageContext) -> dict[str, Any]:
-    from milepost.core.engine.fleet import Fleet
+    from milepost.core.engine.fleet import Fleet, stop_fleet_actors
     from milepost.core.evaluate import record_base_eval
     from milepost.core.placement import placement_for
     from milepost.core.train.torch_backend import RANK_NUM_CPUS
 
     ctx.connect()
+    leftovers = stop_fleet_actors()  # an earlier, killed attempt of this stage may have left some
+    if leftovers:
+        ctx.update("rollout", stopped_leftover_actors=leftovers)
     latest = ctx.checkpoints.latest_valid()
     model_path = ctx.model_path()
     serve_path = str(latest.path / "hf") if latest else model_path

@@ -138,7 +138,7 @@ def teardown(ctx: StageContext) -> dict[str, Any]:
         released["cancelled_job"] = _cancel_slurm_job(launch["job_id"], wait=True)
     for stage in ("launch_ray", "rollout"):
         record = ctx.record(stage)
-        if record and record.get("state") in ("done", "running", "aborted"):
+        if record and record.get("state") in ("done", "running", "aborted", "failed"):
             ctx.update(stage, state="released", released_at=time.time())
     return {**released, "stopped_stages": stopped_jobs}
 

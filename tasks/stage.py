@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 STAGES = ("launch_ray", "rollout", "train", "sync", "evaluate", "teardown")
 DRIVER_PID_ENV = "MILEPOST_DRIVER_PID"
+USER_ERROR_EXIT = 2  # a stage job that exits 2 failed on the user's input: retrying cannot help
 
 
 def _now() -> float:
@@ -90,6 +91,9 @@ def run_stage(campaign_url: str, block: int, stage: str, show_progress: bool = F
     ctx.store.write_stage_record(block, stage, started)
     try:
         outputs = _stage_fn(stage)(ctx)
+    except Exception as error:
+        record_failure(ctx.store, block, stage, error)
+        raise
     finally:
         ctx.disconnect()
     # Fields the stage recorded while running (pids, first step time) are kept.
@@ -97,6 +101,27 @@ def run_stage(campaign_url: str, block: int, stage: str, show_progress: bool = F
               **outputs}
     ctx.store.write_stage_record(block, stage, record)
     return record
+
+
+def own_log_path() -> str | None:
+    """This stage job's stderr file, when it runs under an executor (submitit sets its folder)."""
+    try:
+        import submitit
+        return str(submitit.JobEnvironment().paths.stderr)
+    except Exception:  # noqa: BLE001 - run by hand, outside any executor: no job log
+        return None
+
+
+def record_failure(store: Any, block: int, stage: str, error: BaseException) -> None:
+    """The stage's record says `failed`, with the root error on one line, whether it was the
+    user's (deterministic: not retried) or the runtime's, and where the whole log is. That is
+    what `milepost run`, `milepost status` and the Airflow task log show."""
+    from milepost.core.errors import root_error_line, user_error_in
+
+    record = store.stage_record(block, stage) or {}
+    store.write_stage_record(block, stage, {
+        **record, "state": "failed", "failed_at": _now(), "error": root_error_line(error),
+        "error_kind": "user" if user_error_in(error) else "runtime", "log": own_log_path()})
 
 
 def _outlive_slurm_term() -> None:
@@ -118,7 +143,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage", required=True, choices=STAGES)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    print(json.dumps(run_stage(args.campaign, args.block, args.stage), indent=2))
+    from milepost.core.errors import user_error_in
+
+    try:
+        record = run_stage(args.campaign, args.block, args.stage)
+    except Exception as e:
+        user_error = user_error_in(e)
+        if user_error is None:
+            raise  # a runtime failure: its traceback belongs in the stage log
+        # The user's mistake: its message, no traceback, and no retry.
+        print(f"milepost: block {args.block} stage {args.stage}: {user_error}", file=sys.stderr)
+        return USER_ERROR_EXIT
+    print(json.dumps(record, indent=2))
     return 0
 
 

@@ -6,8 +6,7 @@ from typing import Any
 
 from milepost.core.checkpoint import CheckpointManager
 from milepost.core.store import CampaignStore
-
-STAGES = ("launch_ray", "rollout", "train", "sync", "evaluate", "teardown")
+from milepost.tasks.failures import BLOCK_STAGES, block_failure, stage_failure
 
 
 def campaign_status(url: str) -> dict[str, Any]:
@@ -17,12 +16,18 @@ def campaign_status(url: str) -> dict[str, Any]:
                          "`milepost run --campaign`")
     blocks = []
     for index in store.block_indices():
-        records = {s: store.stage_record(index, s) for s in STAGES}
+        records = {s: store.stage_record(index, s) for s in BLOCK_STAGES}
         done = [s for s, r in records.items() if r and r.get("state") == "done"]
+        failed = block_failure(records.get)
         state = "done" if records.get("evaluate") and "evaluate" in done else (
-            "running" if done else "pending")
+            "failed" if failed else "running" if done else "pending")
         evaluation = (records.get("evaluate") or {}).get("eval", {})
-        blocks.append({"index": index, "state": state, "stages_done": done, "eval": evaluation})
+        doc = {"index": index, "state": state, "stages_done": done, "eval": evaluation}
+        if failed and state == "failed":
+            stage, record = failed
+            doc["failure"] = {"stage": stage, "error": record.get("error"), "error_kind": record.get("error_kind"),
+                              "log": record.get("log"), "failed_at": record.get("failed_at")}
+        blocks.append(doc)
     latest = CheckpointManager(store.local_path("checkpoints")).latest_valid()
     latest_doc = None
     if latest:
@@ -41,6 +46,10 @@ def format_status(status: dict[str, Any]) -> str:
         acc = b["eval"].get("accuracy")
         shown = f"accuracy {acc:.3f}" if acc is not None else "no eval yet"
         lines.append(f"  block {b['index']}: {b['state']:8s} {shown}")
+        if b.get("failure"):
+            f = b["failure"]
+            lines.append(f"    stage {f['stage']} failed ({f['error_kind']} error): "
+                         f"{stage_failure({'state': 'failed', **f}, '')}")
     ck = status["latest_checkpoint"]
     if ck:
         lines.append(f"  latest checkpoint: step {ck['step']}, policy v{ck['policy_version']}, "

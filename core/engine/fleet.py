@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import tempfile
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import httpx
@@ -270,6 +271,28 @@ class Fleet:
             for s in self.supervisor.slots:
                 if s.actor is not None:
                     ray.kill(s.actor, no_restart=True)
+
+
+FLEET_ACTOR_PREFIXES = ("engine-", "router-")  # actor_options names: engine-<i>.<gen>-<hex>, router-<hex>
+
+
+def stop_fleet_actors(wait_s: float = 30.0) -> list[str]:
+    """Stop every fleet actor (engines, router) in the caller's Ray namespace; their names.
+
+    A stage that starts a fleet calls this first: an earlier attempt of it, killed while its
+    engines were launching, leaves detached actors that no record names yet (names are only
+    recorded once every engine serves) and that still hold their placement bundles, so the
+    new engines could never be scheduled. Ray's own list of named actors is the record that
+    exists from the moment an actor is created. The namespace is the block's, so nothing of
+    another block or campaign is touched."""
+    names = [n for n in ray.util.list_named_actors() if n.startswith(FLEET_ACTOR_PREFIXES)]
+    actors = [a for a in (_named_actor(n) for n in names) if a is not None]
+    for actor in actors:
+        ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + wait_s  # their bundles are free once they are gone
+    while time.monotonic() < deadline and any(n in names for n in ray.util.list_named_actors()):
+        time.sleep(0.2)
+    return names
 
 
 def _named_actor(name: str) -> Any:
