@@ -7,15 +7,35 @@ into the recipe.
 
 from __future__ import annotations
 
-from typing import Literal
+import types
+import typing
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+
+def _is_number(annotation: Any) -> bool:
+    """int, float, or an optional of one of them."""
+    if annotation in (int, float):
+        return True
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return bool(args) and all(a in (int, float) for a in args)
+    return False
 
 
 class Section(BaseModel):
     # allow_inf_nan=False: `.nan` or `.inf` in a recipe is always a typo or a broken generator,
     # and NaN passes every `ge`/`le` bound silently.
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic reads `true` as 1 for an int field: `num_blocks: true` would run one block.
+        if isinstance(value, bool) and _is_number(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"expected a number, got {str(value).lower()}; write the count or value itself")
+        return value
 
 
 class CampaignConfig(Section):

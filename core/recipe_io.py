@@ -23,10 +23,12 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
         key = ".".join(str(p) for p in e["loc"]) or "(top level)"
         if e["type"] == "extra_forbidden":
             lines.append(f"  - unknown key `{key}`: {_spelling_hint(e['loc'])}")
+        elif e.get("input") is None and e["type"] in ("model_type", "dict_type"):
+            lines.append(f"  - section `{key}` is empty; put its keys under it, or remove the line")
         else:
             value = e.get("input")
             shown = "" if isinstance(value, dict) else f" (got {value!r})"
-            lines.append(f"  - `{key}`: {e['msg']}{shown}")
+            lines.append(f"  - `{key}`: {e['msg'].removeprefix('Value error, ')}{shown}")
     return "\n".join(lines)
 
 
