@@ -63,7 +63,6 @@ STATE = "state.json"
 LATEST = "latest"
 MANIFEST_VERSION = 2
 HASH_THREADS = max(1, min(8, os.cpu_count() or 1))
-DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 SCRATCH_PREFIXES = (".tmp-", ".latest-", ".old-", ".del-")  # never a committed checkpoint
 
 
@@ -194,16 +193,36 @@ def _stat_key(folder: Path, manifest: dict[str, Any]) -> tuple[Any, ...]:
     return tuple(stats)
 
 
-def _disk_full(error: BaseException) -> bool:
+def _errno_in(error: BaseException) -> int | None:
     seen: BaseException | None = error
     while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in DISK_FULL_ERRNOS:
-            return True
-        text = str(seen).lower()
-        if "no space left" in text or "file too large" in text or "file write failed" in text:
-            return True  # torch.save's writer reports the errno as text only
+        if isinstance(seen, OSError) and seen.errno is not None:
+            return seen.errno
         seen = seen.__cause__ or seen.__context__
-    return False
+    return None
+
+
+def _space_problem(root: Path, error: BaseException, needed_bytes: int) -> str | None:
+    """Why a write under `root` may have failed for lack of room, or None. Writers such as
+    torch.save report a failed write without its errno, so the limits are looked at too."""
+    import resource
+
+    code = _errno_in(error)
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if code == errno.EFBIG or soft != resource.RLIM_INFINITY:
+        limit = "" if soft == resource.RLIM_INFINITY else f" (this process may not write files over {soft} bytes)"
+        return (f"a file is larger than this process may write{limit}: raise the file size limit "
+                "(`ulimit -f`, or the job's limits) and rerun the stage")
+    st = os.statvfs(root)
+    free = st.f_bavail * st.f_frsize
+    if code in (errno.ENOSPC, errno.EDQUOT) or free < max(needed_bytes, 64 << 20):
+        return (f"the filesystem of {root} is full ({free / 2**20:.1f} MiB free, this checkpoint needs more than "
+                f"{needed_bytes / 2**20:.1f} MiB): free space there (or lower checkpoint.keep_last) and rerun the stage")
+    return None
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else 0
 
 
 class CheckpointManager:
@@ -240,9 +259,10 @@ class CheckpointManager:
             _fsync_write(pointer_tmp, str(step))
             final = self._commit_folder(tmp, step, token)
         except Exception as e:
+            written = _folder_bytes(tmp)
             _remove(tmp)
             _remove(pointer_tmp)
-            raise CheckpointSaveError(self._save_failure(step, e)) from e
+            raise CheckpointSaveError(self._save_failure(step, e, written)) from e
         except BaseException:  # KeyboardInterrupt, SystemExit: clean up, raise as it is
             _remove(tmp)
             _remove(pointer_tmp)
@@ -278,14 +298,14 @@ class CheckpointManager:
         _remove(aside)
         return final
 
-    def _save_failure(self, step: int, error: BaseException) -> str:
+    def _save_failure(self, step: int, error: BaseException, written_bytes: int) -> str:
+        """The message of a failed save: what failed, what is kept, why (room or limits), what to do."""
         previous = self._read_pointer()[0]
         kept = f"`latest` still names step {previous}" if previous is not None else "no checkpoint was committed before"
         what = f"checkpoint of step {step} was not saved ({type(error).__name__}: {error}); nothing of it is committed and {kept}."
-        if _disk_full(error):
-            return (f"{what} The filesystem of {self.root} is full or refuses the file size: free space there "
-                    "(or lower checkpoint.keep_last) and rerun the stage; it resumes from the previous checkpoint.")
-        return f"{what} Fix the cause above and rerun the stage; it resumes from the previous checkpoint."
+        why = _space_problem(self.root, error, written_bytes)
+        todo = f"Likely cause: {why}" if why else "Fix the cause above and rerun the stage"
+        return f"{what} {todo}; it then resumes from the previous checkpoint."
 
     # --- verify and find ------------------------------------------------------------------
     def verify(self, folder: Path, deep: bool = True) -> str | None:
