@@ -137,8 +137,10 @@ class StageJobTrigger(BaseTrigger):
         extra = {"outcome": state.outcome.value, "slurm_state": state.slurm_state, "exit_code": state.exit_code}
         if state.outcome is Outcome.DONE and record.get("state") == "done":
             return self._event("done", f"Slurm job {self.job_id} completed", record, **extra)
+        exit_code = f", exit code:signal {state.exit_code}" if state.exit_code else ""
         return self._event("failed", f"Slurm job {self.job_id} ended {state.outcome.value} "
-                                     f"({state.slurm_state or 'no Slurm state'}); stage record: "
+                                     f"({state.slurm_state or 'no Slurm state'}{exit_code}) on "
+                                     f"{state.nodes or 'no node'}; stage record: "
                                      f"{record.get('state') or 'none'}", record, **extra)
 
     async def run(self) -> AsyncIterator[TriggerEvent]:

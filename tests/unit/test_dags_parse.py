@@ -274,15 +274,34 @@ def test_operator_refuses_a_bad_override_without_retrying(tmp_path: Path) -> Non
         _operator("launch_ray").execute(context)
 
 
-def test_operator_fails_with_the_stage_log_on_a_failed_event() -> None:
+def test_operator_fails_with_the_stage_log_on_a_failed_event(tmp_path: Path) -> None:
     from milepost.dags.operators import StageFailedError
 
-    event = {"status": "failed", "campaign_url": "/c", "block": 1, "stage": "train", "job_id": "9",
+    event = {"status": "failed", "campaign_url": str(tmp_path), "block": 1, "stage": "train", "job_id": "9",
              "detail": "Slurm job 9 ended cancelled"}
-    with pytest.raises(StageFailedError, match="block 1 stage train: Slurm job 9 ended cancelled; stage log: /l"):
+    with pytest.raises(StageFailedError, match=r"block 1 stage train failed: Slurm job 9 ended cancelled "
+                                               r"\(stage log: /l\)"):
         _operator("train").execute_complete({}, event, stderr_path="/l")
     assert _operator("train").execute_complete({}, {**event, "status": "done"}) == {
-        "campaign_url": "/c", "block": 1, "stage": "train", "job_id": "9"}
+        "campaign_url": str(tmp_path), "block": 1, "stage": "train", "job_id": "9"}
+
+
+def test_operator_shows_the_recorded_root_error_and_does_not_retry_a_user_error(tmp_path: Path) -> None:
+    from airflow.sdk.exceptions import AirflowFailException
+    from milepost.core.store import CampaignStore
+    from milepost.dags.operators import StageFailedError
+
+    store = CampaignStore(str(tmp_path))
+    event = {"status": "failed", "campaign_url": str(tmp_path), "block": 0, "stage": "train", "job_id": "9",
+             "detail": "local job 9 ended without recording the stage done"}
+    store.write_stage_record(0, "train", {"state": "failed", "error": "OSError: disk full", "error_kind": "runtime",
+                                          "log": "/jobs/9.err"})
+    with pytest.raises(StageFailedError, match=r"train failed: OSError: disk full \(stage log: /jobs/9.err\)"):
+        _operator("train").execute_complete({}, event)
+    store.write_stage_record(0, "train", {"state": "failed", "error": "UserError: reward `x` raised",
+                                          "error_kind": "user", "log": "/jobs/9.err"})
+    with pytest.raises(AirflowFailException, match="(?s)UserError: reward `x` raised.*not retried"):
+        _operator("train").execute_complete({}, event)
 
 
 def test_operator_records_stage_timings_from_the_event(tmp_path: Path) -> None:
