@@ -36,6 +36,15 @@ def _run(tmp_path: Path, function: str, *extra: str) -> tuple[subprocess.Complet
     return proc, campaign, time.monotonic() - started
 
 
+def _assert_no_secret_outside_its_file(campaign: Path, name: str) -> None:
+    """The campaign's token is in secrets/<name> (owner-only) and in no record, log or recipe."""
+    secret = campaign / "secrets" / name
+    assert secret.stat().st_mode & 0o077 == 0
+    token = secret.read_text().strip().encode()
+    leaks = [p for p in campaign.rglob("*") if p.is_file() and p != secret and token in p.read_bytes()]
+    assert not leaks, f"the {name} appears in {leaks}"
+
+
 def _status(campaign: Path) -> tuple[str, dict]:
     text = subprocess.run([sys.executable, "-m", "milepost.cli", "status", str(campaign)],
                           capture_output=True, text=True, timeout=60).stdout
@@ -53,6 +62,7 @@ def test_a_runtime_failure_shows_its_root_error_in_run_output_and_status(tmp_pat
     assert record["state"] == "failed" and record["error_kind"] == "runtime"
     assert Path(record["log"]).is_file() and "Traceback" in Path(record["log"]).read_text()
     assert f"stage log: {record['log']}" in output
+    _assert_no_secret_outside_its_file(campaign, "ray_auth_token")
     text, doc = _status(campaign)
     assert doc["blocks"][0]["state"] == "failed"
     assert doc["blocks"][0]["failure"]["stage"] == "train"
