@@ -31,6 +31,7 @@ from typing import Any
 from milepost.core.config import Recipe
 from milepost.core.store import CampaignStore
 from milepost.tasks.context import campaign_id
+from milepost.tasks.failures import is_user_error, stage_failure
 from milepost.tasks.stage import DRIVER_PID_ENV, run_stage
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,9 @@ def build_executor(recipe: Recipe, store: CampaignStore) -> Any:
 
 
 class StageFailed(RuntimeError):
-    pass
+    def __init__(self, message: str, user_error: bool = False) -> None:
+        super().__init__(message)
+        self.user_error = user_error  # the user's input is wrong: relaunching cannot help
 
 
 class BlockRunner:
@@ -77,7 +80,7 @@ class BlockRunner:
                 self._run_stages(block)
                 break
             except StageFailed as e:
-                if attempt == retries:
+                if attempt == retries or e.user_error:
                     raise
                 log.warning("block %d: %s; tearing the block down and launching it again (%d/%d)",
                             block, e, attempt + 1, retries)
@@ -103,8 +106,10 @@ class BlockRunner:
                 self._show_progress(block, job)
             record = job.result()
         except JobError as e:
+            record = self.store.stage_record(block, stage) or {}
             raise StageFailed(f"block {block} stage {stage} failed ({self.executor.name} job {job.job_id}): "
-                               f"{e}\nstage log: {job.stderr_path}") from e
+                              f"{stage_failure(record, str(e), str(job.stderr_path))}",
+                              user_error=is_user_error(record)) from e
         returned = time.time()
         log.info("block %d: %s done in %.1fs", block, stage, returned - submitted)
         return {"job_id": job.job_id, "submitted_at": submitted, "started_at": record.get("started_at", 0.0),
