@@ -3,11 +3,13 @@ supervisor (real local Ray, built-in engines, real sglang-router, a tiny random 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import httpx
@@ -186,3 +188,41 @@ def test_failed_model_load_fails_fast(ray_session, tmp_path) -> None:
     not after rollout.engine_startup_timeout_s (here 90 s)."""
     with pytest.raises(FleetError, match="model load failed"):
         Fleet.start(str(tmp_path), 1, _config(max_restarts=0), weight_version="0")
+
+
+def test_admin_key_reaches_restarted_engines_and_no_record_or_log(ray_session, models, tmp_path, caplog) -> None:
+    """A fleet given the campaign's admin key file: its engines refuse admin calls without
+    the key, its own clients push weights and admit a restarted engine (which reloads the
+    served weights: an admin call) with it, and the key appears in no fleet document (what
+    blocks/*/fleet.json records), no engine or router log and no log record."""
+    key = f"fleet-admin-key-{os.getpid()}-{time.monotonic_ns()}"
+    key_path = tmp_path / "secrets" / "engine_admin_key"
+    key_path.parent.mkdir(mode=0o700)
+    key_path.write_text(key)
+    key_path.chmod(0o600)
+    docs: list[str] = []
+    (tmp_path / "logs").mkdir()
+    caplog.set_level(logging.DEBUG)
+    f = Fleet.start(models[0], 1, _config(max_restarts=1, num_engines=1), weight_version="0",
+                    log_dir=str(tmp_path / "logs"), on_change=lambda doc: docs.append(json.dumps(doc)),
+                    admin_key_path=str(key_path))
+    try:
+        FleetTransport(f, build_transport("disk")).push(f.clients, models[1], "1")
+        old_url = f.engine_urls[0]
+        assert httpx.post(f"{old_url}/pause_generation", json={}, timeout=10).status_code == 401
+        os.kill(f.pids()[0], signal.SIGKILL)
+        _wait_for(lambda: len(f.restart_events()) >= 1, "the restart")
+        f.supervisor.wait_all_serving(120)
+        new_url = f.engine_urls[0]
+        assert new_url != old_url and f.clients[0].model_info()["weight_version"] == "1"  # admitted with the key
+        assert httpx.post(f"{new_url}/update_weight_version", json={"new_version": "x"}, timeout=10).status_code == 401
+        assert f.router_client.generate([3, 4, 5], {"max_new_tokens": 2})["meta_info"]["weight_version"] == "1"
+        docs.append(json.dumps(f.describe()))
+        router_log = f.router.log_path
+    finally:
+        f.stop()
+    files = [p for p in (tmp_path / "logs").rglob("*") if p.is_file()] + [Path(router_log)]
+    logs = [p.read_text(errors="replace") for p in files]
+    assert len(logs) >= 3  # two engine incarnations and the router
+    for text in docs + logs + [caplog.text]:
+        assert key not in text and str(key_path) not in text
