@@ -7,6 +7,10 @@ runs the same number of micro-batches (short ranks run zero-loss padding micro-b
 the DDP allreduce of the last one lines up; the others run under no_sync. Metrics add up
 over micro-batches and ranks, except keys ending in `_max`, which reduce by max.
 
+Non-finite steps (core/train/nonfinite.py): a NaN/inf loss on any rank, or a NaN/inf global
+gradient norm, skips the optimizer AND scheduler step on every rank (agreed by one all-reduce),
+reported as `train/skipped_nonfinite` and logged by the driver; save refuses non-finite weights.
+
 Checkpoint folder (save_state): model.pt + scheduler.pt (rank 0), optim_rank{r}.pt and
 rng_rank{r}.pt (each rank), meta.json (driver).
 """
@@ -16,6 +20,8 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import logging
+import math
 import os
 import random
 import shutil
@@ -33,12 +39,16 @@ from milepost.core.algo.losses import rl_loss
 from milepost.core.config import AlgoConfig, TrainConfig
 from milepost.core.train.batch import (collate, count_loss_tokens, num_micro_batches,
                                        padding_sample, shard_by_rank, split_micro_batches)
+from milepost.core.train.nonfinite import (SKIPPED_METRIC, NonFiniteWeightsError, agree_to_skip,
+                                           first_nonfinite, nonfinite_weights_message)
 from milepost.core.train.schedule import lr_lambda
 from milepost.core.train.logprobs import response_logprobs, response_logprobs_and_entropy
 from milepost.core.train.weight_sender import WeightSender, pack_parameters
 from milepost.core.train.weight_source import Rank0WeightSource, SenderRank
 from milepost.core.placement import actor_strategy
 from milepost.core.types import Sample
+
+log = logging.getLogger(__name__)
 
 RANK_NUM_CPUS = 0.25  # logical CPUs a rank actor reserves (threads: train_cfg.num_threads_per_rank)
 PG_TIMEOUT = datetime.timedelta(minutes=10)
@@ -129,26 +139,36 @@ class RankWorker(SenderRank):
         return float(loss.detach()), metrics
 
     def train(self, samples: list[Sample], n_micro: int, normalizer: float) -> dict[str, float]:
-        """Accumulate n_micro micro-batches (padded), clip, one optimizer + scheduler step."""
+        """Accumulate n_micro micro-batches (padded), clip, one optimizer + scheduler step, or
+        none on any rank when a loss or the gradient is non-finite (module doc)."""
         chunks = split_micro_batches(samples, self.train_cfg.micro_batch_size)
         chunks += [[padding_sample(self.pad_id)]] * (n_micro - len(chunks))
         totals: dict[str, float] = {"train/loss": 0.0}
         self.optimizer.zero_grad(set_to_none=True)
+        losses_finite = True
         for i, chunk in enumerate(chunks):
             with self.model.no_sync() if i < len(chunks) - 1 else nullcontext():
                 loss, metrics = self._micro_batch(chunk, normalizer)
+            losses_finite = losses_finite and math.isfinite(loss)
             totals["train/loss"] += loss
             for k, v in metrics.items():
                 totals[k] = max(totals.get(k, v), v) if k.endswith("_max") else totals.get(k, 0.0) + v
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.train_cfg.grad_clip)
-        totals["train/grad_norm"] = float(grad_norm)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.train_cfg.grad_clip))
+        skip = agree_to_skip(not (losses_finite and math.isfinite(grad_norm)))
+        totals["train/grad_norm"] = grad_norm
         totals["train/lr"] = float(self.scheduler.get_last_lr()[0])
-        self.optimizer.step()
-        self.scheduler.step()
+        totals[SKIPPED_METRIC] = float(skip)
+        if not skip:
+            self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return totals
 
     def save(self, path: str) -> None:
+        """Write this rank's files; refuses (before writing any) when its weights are non-finite."""
+        bad = first_nonfinite(self.module.state_dict().items())
+        if bad is not None:
+            raise NonFiniteWeightsError(nonfinite_weights_message(bad, f"torch backend rank {self.rank}"))
         folder = Path(path)
         if self.rank == 0:
             torch.save(self.module.state_dict(), folder / "model.pt")
@@ -191,6 +211,12 @@ class RankWorker(SenderRank):
             dist.destroy_process_group()
 
 
+def log_skipped_step(step: int, metrics: dict[str, float]) -> None:
+    log.warning("step %d: non-finite loss or gradient (train/loss=%s, train/grad_norm=%s): the optimizer step was "
+                "skipped on every rank; weights, optimizer state and LR schedule are unchanged (%s=1)", step,
+                metrics.get("train/loss"), metrics.get("train/grad_norm"), SKIPPED_METRIC)
+
+
 class TorchBackend(Rank0WeightSource):
     """Driver side: shards each step's samples by position and drives the rank actors."""
 
@@ -225,6 +251,9 @@ class TorchBackend(Rank0WeightSource):
         metrics = {k: (max if k.endswith("_max") else sum)(m[k] for m in per_rank if k in m) for k in keys}
         metrics["train/grad_norm"] = per_rank[0]["train/grad_norm"]  # equal on every rank
         metrics["train/lr"] = per_rank[0]["train/lr"]
+        metrics[SKIPPED_METRIC] = per_rank[0][SKIPPED_METRIC]  # agreed by every rank
+        if metrics[SKIPPED_METRIC]:
+            log_skipped_step(step, metrics)
         metrics["train/num_tokens"] = float(num_tokens)
         metrics["train/num_micro_batches"] = float(n_micro)
         metrics["train/step"] = float(step)
@@ -232,7 +261,10 @@ class TorchBackend(Rank0WeightSource):
 
     def save_state(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
-        ray.get([a.save.remote(path) for a in self.actors])
+        try:
+            ray.get([a.save.remote(path) for a in self.actors])
+        except NonFiniteWeightsError as e:  # the rank's own error, without Ray's wrapping
+            raise getattr(e, "cause", e) from None
         meta = {"world_size": len(self.actors), "format": "milepost-torch-ddp-v1"}
         Path(path, "meta.json").write_text(json.dumps(meta))
 

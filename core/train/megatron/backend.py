@@ -26,9 +26,11 @@ from milepost.core.train.batch import count_loss_tokens, shard_by_rank
 from milepost.core.train.megatron.converter import write_index
 from milepost.core.train.megatron.worker import MegatronRankWorker
 from milepost.core.train.weight_source import Rank0WeightSource
+from milepost.core.train.nonfinite import SKIPPED_METRIC, NonFiniteWeightsError
 from milepost.core.train.torch_backend import (
     RANK_NUM_CPUS,
     TOKENIZER_FILES,
+    log_skipped_step,
     state_sha256,
 )
 from milepost.core.types import Sample
@@ -81,6 +83,9 @@ class MegatronBackend(Rank0WeightSource):
         metrics = {k: (max if k.endswith("_max") else sum)(m[k] for m in reported if k in m) for k in keys}
         metrics["train/grad_norm"] = results[0]["grad_norm"]  # the global norm, equal on every rank
         metrics["train/lr"] = results[0]["lr"]
+        metrics[SKIPPED_METRIC] = results[0]["skipped_nonfinite"]  # agreed by every rank
+        if metrics[SKIPPED_METRIC]:
+            log_skipped_step(step, metrics)
         metrics["train/num_tokens"] = float(num_tokens)
         metrics["train/num_micro_batches"] = float(max(r["num_micro_batches"] for r in results))
         metrics["train/step"] = float(step)
@@ -88,7 +93,10 @@ class MegatronBackend(Rank0WeightSource):
 
     def save_state(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
-        ray.get([a.save.remote(path) for a in self.actors])
+        try:
+            ray.get([a.save.remote(path) for a in self.actors])
+        except NonFiniteWeightsError as e:  # the rank's own error, without Ray's wrapping
+            raise getattr(e, "cause", e) from None
         m = self.train_cfg.megatron
         meta = {"format": "milepost-megatron-dist-v1", "world_size": len(self.actors),
                 "tensor_parallel": m.tensor_parallel, "pipeline_parallel": m.pipeline_parallel}

@@ -11,6 +11,14 @@ per-token rescale, so the gradient is exactly that of the full-batch token mean.
 
 LR: the `lr_lambda` multiplier (core/train/schedule.py, shared with the torch backend), set on
 every param group before each step.
+
+Non-finite steps (core/train/nonfinite.py, as the torch backend): megatron's fp32 and bf16
+optimizers step on NaN/inf gradients (only fp16's loss scaler looks for them), so before the
+step every rank checks its losses and its reduced gradient buffers, and all ranks agree
+(one all-reduce) to skip: no optimizer step, no schedule step, `skipped_nonfinite` reported.
+A step megatron itself refuses (fp16 overflow) is skipped the same way. Save refuses
+non-finite weights on every rank alike (agreed first, so no rank waits in the save's
+collectives).
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ import torch
 import torch.distributed as dist
 from milepost.core.config import AlgoConfig, TrainConfig
 from milepost.core.train.batch import padding_sample
+from milepost.core.train.nonfinite import (NonFiniteWeightsError, agree_to_skip, all_finite, first_nonfinite,
+                                           nonfinite_weights_message, tensors_finite)
 from milepost.core.train.megatron import cpu_compat, fusions
 from milepost.core.train.megatron.converter import iter_hf_tensors, load_hf_into
 from milepost.core.train.megatron.model import (
@@ -215,16 +225,28 @@ class MegatronRankWorker(SenderRank):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         per_micro = self._run_schedule(mbs, normalizer, forward_only=False)
-        ok, grad_norm, _ = self.optimizer.step()
-        if not ok:
-            raise RuntimeError("megatron optimizer step skipped (non-finite gradients)")
-        self.sched_step += 1
+        skip = agree_to_skip(not (all_finite(m.get("train/loss", 0.0) for m in per_micro) and self._grads_finite()),
+                             self.device)
+        grad_norm: Any = float("nan")
+        if not skip:
+            ok, grad_norm, _ = self.optimizer.step()
+            skip = not ok  # fp16: megatron's loss scaler found inf/nan and skipped the step itself
+        if skip:
+            self.optimizer.zero_grad()
+            grad_norm = float("nan")
+        else:
+            self.sched_step += 1
         totals: dict[str, float] = {}
         for metrics in per_micro:
             for k, v in metrics.items():
                 totals[k] = max(totals.get(k, v), v) if k.endswith("_max") else totals.get(k, 0.0) + v
         return {"metrics": totals, "grad_norm": float(grad_norm), "lr": lr, "reporter": self._reports(),
-                "num_micro_batches": len(mbs)}
+                "num_micro_batches": len(mbs), "skipped_nonfinite": float(skip)}
+
+    def _grads_finite(self) -> bool:
+        """Whether this rank's gradient buffers (after the data-parallel reduction) are all finite."""
+        return tensors_finite(buf.grad_data for c in self.model
+                              for buf in c.buffers + c.expert_parallel_buffers)
 
     @compat
     def logprobs(self, samples: list[Sample]) -> list[list[float]] | None:
@@ -290,7 +312,12 @@ class MegatronRankWorker(SenderRank):
 
     @compat
     def save(self, path: str) -> None:
+        """Write this rank's share; every rank refuses (before writing) when any rank's weights are non-finite."""
         from megatron.core import dist_checkpointing
+        bad = first_nonfinite((n, p) for c in self.model for n, p in c.module.named_parameters())
+        if agree_to_skip(bad is not None, self.device):
+            raise NonFiniteWeightsError(nonfinite_weights_message(bad or "a tensor of another rank",
+                                                                  f"megatron backend rank {self.rank}"))
         folder = Path(path) / "dist"
         if self.rank == 0:
             folder.mkdir(parents=True, exist_ok=True)
