@@ -1,4 +1,7 @@
-"""The one path through which every component loads a policy: any HF checkpoint folder."""
+"""The one path through which every component loads a policy: any HF checkpoint folder.
+
+torch and transformers are imported inside the functions that load, so `milepost run`
+checks a model path without paying for them."""
 
 from __future__ import annotations
 
@@ -10,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
-import torch
 
 from milepost.core.config import ModelConfig
 from milepost.core.data.arith import cache_root
@@ -143,6 +145,9 @@ def load_tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
-def load_causal_lm(path: str, dtype: torch.dtype = torch.float32) -> Any:
+def load_causal_lm(path: str, dtype: Any = None) -> Any:
+    """`dtype`: a torch dtype, float32 by default. torch is imported here, not at module level,
+    so validation (check_model_path) stays light for the command line."""
+    import torch
     from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if dtype is None else dtype)
