@@ -138,8 +138,10 @@ class RolloutConfig(Section):
 
 class RewardConfig(Section):
     function: str = Field(
-        "tiny-arith", description="Registered reward name or `module:function` / `file.py:function`."
-    )
+        "tiny-arith", description="Registered reward name or `module:function` / `file.py:function`: "
+                                  "fn(response_text, label) -> float. A sample whose reward raises or is "
+                                  "not a finite number is left out of training and counted "
+                                  "(rollout/reward_failed); a step where every sample fails stops the run.")
     num_workers: int = Field(2, ge=1, description="Threads that evaluate rewards concurrently.")
 
 
