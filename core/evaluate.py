@@ -16,7 +16,8 @@ def evaluate_fleet(recipe: Recipe, fleet: Any, model_path: str) -> dict[str, flo
     rows = load_rows(recipe.data.eval_path, recipe.data.prompt_key, recipe.data.label_key,
                      builtin_rows=recipe.data.num_eval_rows, seed=recipe.seed)
     num = min(recipe.eval.num_prompts, len(rows))
-    source = PromptSource(rows, tokenizer, DataCursor(0, 0, 0, len(rows)), shuffle=False)
+    source = PromptSource(rows, tokenizer, DataCursor(0, 0, 0, len(rows)), shuffle=False,
+                          prompt_key=recipe.data.prompt_key, label_key=recipe.data.label_key)
     request = RolloutRequest(
         prompts=source.next_batch(num), num_samples_per_prompt=1,
         sampling_params=sampling_params_from(recipe.rollout, [tokenizer.eos_token_id], greedy=True,

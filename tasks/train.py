@@ -62,7 +62,8 @@ def _train(ctx: StageContext, fleet: Any, tokenizer: Any, start_path: str) -> di
                          builtin_rows=recipe.data.num_train_rows, seed=recipe.seed)
         cursor = (DataCursor.from_dict(state.cursor) if state.cursor
                   else DataCursor(epoch=0, offset=0, shuffle_seed=recipe.seed, num_rows=len(rows)))
-        source = PromptSource(rows, tokenizer, cursor, shuffle=recipe.data.shuffle)
+        source = PromptSource(rows, tokenizer, cursor, shuffle=recipe.data.shuffle,
+                              prompt_key=recipe.data.prompt_key, label_key=recipe.data.label_key)
         block_first = last_step - recipe.campaign.steps_per_block + 1
         # Metrics after the checkpoint were never committed: rewrite the file from the checkpoint.
         store.write_metrics(block, [m for m in state.metrics if m["step"] >= block_first])
