@@ -96,10 +96,11 @@ def _snapshot_best(store: CampaignStore, recipe: Recipe, step: int) -> str:
     shutil.rmtree(tmp, ignore_errors=True)
     _hardlink_tree(src, tmp)
     final = best_root / f"{step:08d}"
-    for old in best_root.iterdir():
-        if old.name != tmp.name:
-            shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(final, ignore_errors=True)  # an earlier attempt at this very snapshot
     tmp.rename(final)
+    for old in best_root.iterdir():  # only once the new best is in place: never a moment with none
+        if old.name != final.name:
+            shutil.rmtree(old, ignore_errors=True)
     return str(final)
 
 

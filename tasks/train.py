@@ -44,6 +44,9 @@ def run_train_stage(ctx: StageContext) -> dict[str, Any]:
     tokenizer = load_tokenizer(model_path)
     start_path = str(latest.path / "hf") if latest else model_path
     fleet = ctx.attach_fleet()  # connects to the block's Ray cluster first
+    served = ctx.checkpoints.step_of(fleet.base_model_path)
+    if served is not None:  # a restarted engine launches from it: retention must keep it
+        ctx.checkpoints.protect(served)
     try:
         return _train(ctx, fleet, tokenizer, start_path)
     finally:
