@@ -24,9 +24,12 @@ tried. What is verified, and when:
   - the checkpoint returned, i.e. the one a stage resumes from or serves: the sha256 of
     every file too (`deep=True`, the default), hashed by parallel threads and remembered
     per process while no file's size, mtime or inode changes. Measured on 2 cores: sha256
-    runs at ~1.2 GB/s per thread, i.e. about 1 s per GB of checkpoint, the order of
-    reading the same bytes to load them; the tiny model's checkpoint (2 MB) verifies in
-    ~10 ms. `deep=False` (sizes only) is for read-only reports.
+    runs at ~1.2 GB/s per thread (hashlib), so a checkpoint costs about 1 s per GB over the
+    threads' count, the order of reading the same bytes to load them; the tiny model's
+    checkpoint (0.65 MB, 10 files) verifies in 12 ms deep, 0.6 ms by sizes, 0.9 ms when
+    cached, against 50 ms for a rank to load it. Hashing every older candidate on every call
+    would multiply that for nothing, hence sizes for them. `deep=False` (sizes only) suits
+    read-only reports such as `milepost status`.
 `latest` is never what resume relies on: the newest checkpoint that verifies wins, and a
 `latest` that is missing, torn, or names another step is reported with a warning. When
 committed checkpoints exist and none verifies, `latest_valid` raises
