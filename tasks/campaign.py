@@ -68,10 +68,21 @@ def _check_campaign_url(url: str) -> None:
                         "folder name, or the folder of an existing campaign")
 
 
+def _check_catalog(recipe: Recipe) -> None:
+    """`model.catalog` only matters to `milepost plan`, but a name it would refuse is a typo now."""
+    if recipe.model.catalog is None:
+        return
+    from milepost.core.plan.catalog import CATALOG
+    if recipe.model.catalog not in CATALOG:
+        raise UserError(f"model.catalog `{recipe.model.catalog}` is not a shipped config; known: "
+                        f"{', '.join(CATALOG)} (`milepost plan --models` lists them), or leave it out")
+
+
 def validate_resources(recipe: Recipe) -> None:
     """Everything that can be checked without starting a process: the model path, the
     datasets (every row, prompt lengths), the reward and rollout functions."""
     check_model_path(recipe.model)
+    _check_catalog(recipe)
     limit = _prompt_limit(recipe)
     _check_dataset(recipe.data.train_path, "data.train_path", recipe, limit)
     _check_dataset(recipe.data.eval_path, "data.eval_path", recipe, limit)

@@ -293,6 +293,12 @@ def test_prepare_campaign_writes_nothing_when_validation_fails(tmp_path, overrid
     assert not campaign.exists()
 
 
+def test_an_unknown_model_catalog_name_is_refused_at_validation():
+    from milepost.tasks.campaign import validate_resources
+    with pytest.raises(UserError, match=r"model.catalog `Qwen3-9B` is not a shipped config; known: .*Qwen3-8B"):
+        validate_resources(load_recipe(TINY, ["model.catalog=Qwen3-9B"]))
+
+
 def test_a_campaign_url_that_is_a_file_is_refused(tmp_path):
     from milepost.tasks.campaign import prepare_campaign
     path = _write(tmp_path, "notes.txt", "mine")
