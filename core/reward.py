@@ -107,7 +107,7 @@ def reward_value(value: Any) -> float | str:
         return f"returned {value!r:.80}, not a number"
     try:
         number = float(value)
-    except (TypeError, ValueError):
+    except Exception:  # noqa: BLE001 - TypeError, ValueError, or a tensor's own RuntimeError
         return f"returned a {type(value).__name__} ({value!r:.80}), not a number"
     if not math.isfinite(number):
         return f"returned {number}, not a finite number"
