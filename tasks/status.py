@@ -28,7 +28,8 @@ def campaign_status(url: str) -> dict[str, Any]:
             doc["failure"] = {"stage": stage, "error": record.get("error"), "error_kind": record.get("error_kind"),
                               "log": record.get("log"), "failed_at": record.get("failed_at")}
         blocks.append(doc)
-    latest = CheckpointManager(store.local_path("checkpoints")).latest_valid()
+    # Sizes only: status is read often, and a resume hashes the checkpoint it takes anyway.
+    latest = CheckpointManager(store.local_path("checkpoints")).latest_valid(deep=False)
     latest_doc = None
     if latest:
         latest_doc = {"step": latest.step, "policy_version": latest.state["policy_version"],
