@@ -39,7 +39,8 @@ class Section(BaseModel):
 
 
 class CampaignConfig(Section):
-    name: str = Field("campaign", description="Human-readable campaign name.")
+    name: str = Field("campaign", max_length=200,
+                      description="Human-readable campaign name; it names the campaign's Airflow DAG.")
     num_blocks: int = Field(3, ge=1, description="Blocks (DAG runs) in the campaign.")
     steps_per_block: int = Field(10, ge=1, description="RL steps per block.")
     max_eval_drop: float | None = Field(
@@ -47,6 +48,16 @@ class CampaignConfig(Section):
         description="Regression gate: a block whose eval accuracy falls more than this below the best "
                     "block's pauses the campaign (resume continues from the best block's checkpoint). "
                     "null: no gate.")
+
+    @field_validator("name")
+    @classmethod
+    def _name_has_a_word(cls, name: str) -> str:
+        # The DAG id keeps only letters, digits and `_`: a name without any would be `milepost_`,
+        # shared by every such campaign.
+        if not any(c.isascii() and c.isalnum() for c in name):
+            raise ValueError(f"campaign.name {name!r} has no letter or digit; it names the campaign's Airflow "
+                             "DAG: use e.g. `tiny-arith`")
+        return name
 
 
 class TinyModelConfig(Section):

@@ -80,6 +80,8 @@ def test_a_folder_given_as_the_recipe(tmp_path):
     ({"model": {"tiny": {"num_heads": 4, "num_kv_heads": 3}}}, r"num_heads=4 is not divisible by num_kv_heads=3"),
     ({"train": {"backend": "megatron", "num_ranks": 3, "megatron": {"tensor_parallel": 2}}},
      r"train.num_ranks=3 is not divisible by .*set num_ranks to a multiple of 2"),
+    ({"campaign": {"name": ""}}, r"campaign.name '' has no letter or digit; it names the campaign's Airflow DAG"),
+    ({"campaign": {"name": "---"}}, r"campaign.name '---' has no letter or digit"),
     ({"campaign": {"max_eval_drop": 2}}, r"`campaign.max_eval_drop`: Input should be less than or equal to 1"),
 ])
 def test_a_bad_recipe_value_names_the_key_the_value_and_the_fix(doc, needle):
