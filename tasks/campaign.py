@@ -7,11 +7,13 @@ before anything is written to the store, so bad input exits 2 with nothing writt
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import subprocess
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from milepost.core.config import Recipe
 from milepost.core.data.arith import check_builtin_dataset
@@ -32,7 +34,7 @@ class PreparedCampaign:
     store: CampaignStore
 
 
-def _check_dataset(path: str, key: str, recipe: Recipe, limit: PromptLimit | None) -> None:
+def _check_dataset(path: str, key: str, recipe: Recipe, limit: Callable[[], PromptLimit | None]) -> None:
     if path.startswith("builtin:"):
         check_builtin_dataset(path, key)
         return  # generated deterministically on first use, prompts of a few tokens
@@ -42,9 +44,7 @@ def _check_dataset(path: str, key: str, recipe: Recipe, limit: PromptLimit | Non
 def _prompt_limit(recipe: Recipe) -> PromptLimit | None:
     """The longest prompt the run takes: rollout.max_prompt_tokens, and the model's context
     less max_new_tokens when that is smaller. None for a remote model (its tokenizer would
-    need the checkpoint copied first) or when every dataset is builtin."""
-    if all(p.startswith("builtin:") for p in (recipe.data.train_path, recipe.data.eval_path)):
-        return None
+    need the checkpoint copied first)."""
     found = validation_tokenizer(recipe.model)
     if found is None:
         return None
@@ -83,7 +83,7 @@ def validate_resources(recipe: Recipe) -> None:
     datasets (every row, prompt lengths), the reward and rollout functions."""
     check_model_path(recipe.model)
     _check_catalog(recipe)
-    limit = _prompt_limit(recipe)
+    limit = functools.cache(lambda: _prompt_limit(recipe))  # loaded once, after the rows passed
     _check_dataset(recipe.data.train_path, "data.train_path", recipe, limit)
     _check_dataset(recipe.data.eval_path, "data.eval_path", recipe, limit)
     resolve_reward_fn(recipe.reward.function)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import json
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable
 
 import fsspec
 import numpy as np
@@ -35,13 +35,15 @@ class PromptLimit:
 def load_rows(path: str, prompt_key: str = "prompt", label_key: str = "label", *,
               setting: str = "data.train_path", data_cfg: DataConfig | None = None,
               builtin_rows: int | None = None, seed: int = 1,
-              prompt_limit: PromptLimit | None = None) -> list[dict[str, Any]]:
+              prompt_limit: PromptLimit | Callable[[], PromptLimit | None] | None = None) -> list[dict[str, Any]]:
     """Rows of a JSONL or Parquet file (local path or fsspec URL) or a `builtin:` dataset.
 
     `setting` is the recipe key the path came from, named in errors. Builtin datasets are
     sized by `data_cfg` (or `builtin_rows`, which overrides both splits' row counts). Every
     row must have a non-empty string prompt and a label; with `prompt_limit`, every prompt
-    must fit in it. Errors name the file and the line (JSONL) or row (Parquet).
+    must fit in it (a callable is called only once every row passed: loading a tokenizer
+    takes seconds, a malformed row should not wait for it). Errors name the file and the line
+    (JSONL) or row (Parquet).
     """
     if path.startswith("builtin:"):
         from milepost.core.data.arith import write_builtin_dataset
@@ -56,8 +58,9 @@ def load_rows(path: str, prompt_key: str = "prompt", label_key: str = "label", *
                            "one JSON object per line (or a Parquet table)")
     for where, row in located:
         _check_row(row, f"{path}: {where}", prompt_key, label_key)
-    if prompt_limit is not None:
-        check_prompt_lengths(located, path, prompt_key, prompt_limit)
+    limit = prompt_limit() if callable(prompt_limit) else prompt_limit
+    if limit is not None:
+        check_prompt_lengths(located, path, prompt_key, limit)
     return [row for _, row in located]
 
 
