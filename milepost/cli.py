@@ -1,7 +1,8 @@
 """`milepost` command line: run a campaign, show its status.
 
 Exit codes: 0 done, 2 bad input (recipe, flag, model path, dataset, reward function; a campaign
-paused or run by another process), 1 runtime failure, 3 the campaign paused (regression gate) or stopped on request.
+paused or run by another process), 1 runtime failure, 3 the campaign paused (regression gate)
+or stopped on request.
 """
 
 from __future__ import annotations
