@@ -46,6 +46,7 @@ from milepost.core.train.logprobs import response_logprobs, response_logprobs_an
 from milepost.core.train.weight_sender import WeightSender, pack_parameters
 from milepost.core.train.weight_source import Rank0WeightSource, SenderRank
 from milepost.core.placement import actor_strategy
+from milepost.core.tcp_store import bound_store
 from milepost.core.types import Sample
 
 log = logging.getLogger(__name__)
@@ -99,8 +100,8 @@ class RankWorker(SenderRank):
         """Join the gloo group, load the model (fp32), wrap in DDP, build optimizer and schedule."""
         from torch.nn.parallel import DistributedDataParallel as DDP
         from milepost.core.model.loading import load_causal_lm
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=self.rank,
-                                world_size=self.world_size, timeout=PG_TIMEOUT)
+        store = bound_store("127.0.0.1", port, self.world_size, self.rank == 0, PG_TIMEOUT)
+        dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.world_size, timeout=PG_TIMEOUT)
         random.seed(self.seed + self.rank)
         np.random.seed((self.seed + self.rank) % 2**32)
         torch.manual_seed(self.seed)

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from typing import Any
 
 import torch
 
+from milepost.core.tcp_store import bound_store
 from milepost.core.weight_sync.wire import Spec, spec_nbytes
 
 MAX_GLOO_STREAMS = 16
@@ -49,7 +49,7 @@ def init_weight_group(master_address: str, master_port: int, rank: int, world_si
         raise ValueError(f"streams={streams}: more than 1 only with gloo ({backend} has its own channels)")
     timeout = datetime.timedelta(seconds=timeout_s)
     if rank == 0:
-        store = _host_store(master_address, master_port, world_size, timeout)
+        store = bound_store(master_address, master_port, world_size, True, timeout)
     else:  # the engines' side, exactly SGLang's init_custom_process_group
         store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
                                                   timeout=timeout))
@@ -62,24 +62,6 @@ def init_weight_group(master_address: str, master_port: int, rank: int, world_si
                                           backend_options=None, timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
-
-
-def _host_store(address: str, port: int, world_size: int, timeout: datetime.timedelta) -> Any:
-    """Rank 0's TCP store, listening on `address` only. What torch's rendezvous would build
-    (a master TCPStore that waits for every rank) but on a socket bound here: torch's own
-    listens on every interface whatever host it is given (measured: `*:port`)."""
-    from torch.distributed import TCPStore
-
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    fd = socket.create_server((address, port), family=family).detach()  # the store owns it from here
-    try:
-        return TCPStore(address, port, world_size, True, timeout, master_listen_fd=fd)
-    except BaseException:
-        try:
-            os.close(fd)
-        except OSError:
-            pass  # the store closed it already
-        raise
 
 
 def _gloo_group(store: Any, rank: int, world_size: int, group_name: str, timeout: datetime.timedelta,

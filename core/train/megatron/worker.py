@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from milepost.core.tcp_store import bound_store
 from milepost.core.config import AlgoConfig, TrainConfig
 from milepost.core.train.batch import padding_sample
 from milepost.core.train.nonfinite import (NonFiniteWeightsError, agree_to_skip, all_finite, first_nonfinite,
@@ -111,8 +112,9 @@ class MegatronRankWorker(SenderRank):
                              "layers (megatron-core's torch norm and attention refuse them), which this backend "
                              "does not use yet; set sequence_parallel false and context_parallel 1")
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-        dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://{master_addr}:{port}",
-                                rank=self.rank, world_size=self.world_size, timeout=PG_TIMEOUT)
+        store = bound_store(master_addr, port, self.world_size, self.rank == 0, PG_TIMEOUT)
+        dist.init_process_group("nccl" if on_gpu else "gloo", store=store, rank=self.rank,
+                                world_size=self.world_size, timeout=PG_TIMEOUT)
         ps.initialize_model_parallel(
             tensor_model_parallel_size=m.tensor_parallel, pipeline_model_parallel_size=m.pipeline_parallel,
             virtual_pipeline_model_parallel_size=m.virtual_pipeline, context_parallel_size=m.context_parallel,
