@@ -28,7 +28,7 @@ def pytest_addoption(parser):
     group.addoption("--soak-workers", type=int, default=1, help="campaigns run at once (default 1)")
     group.addoption("--soak-dir", default=None, help="where campaigns, logs and references go")
     group.addoption("--soak-deadline", default=None, help="HH:MM: start no run after this local time")
-    group.addoption("--soak-steps", type=int, default=3, help="steps of each run's block (default 3)")
+    group.addoption("--soak-steps", type=int, default=2, help="steps of each run's block (default 2)")
     group.addoption("--soak-seed", type=int, default=1, help="first seed of each cell (default 1)")
 
 
@@ -41,7 +41,7 @@ def option(config, name: str, default=None):
 
 @pytest.fixture(scope="session")
 def fault_shape(request) -> cp.Shape:
-    return cp.Shape(steps_per_block=option(request.config, "--soak-steps", 3))
+    return cp.Shape(steps_per_block=option(request.config, "--soak-steps", 2))
 
 
 @pytest.fixture(scope="session")
@@ -65,10 +65,10 @@ def references(fault_root, fault_cache, fault_shape):
     """reference(mode, executor) -> final model_sha256 of the uninterrupted run, computed once
     per session (and kept in the run dir: a later session with the same dir reuses it)."""
     shas: dict[tuple[str, str], str] = {}
-    lock = threading.Lock()
+    locks = {(m, e): threading.Lock() for m in cp.MODES for e in cp.EXECUTORS}
 
     def get(mode: str, executor: str) -> str:
-        with lock:
+        with locks[mode, executor]:  # two references may run at once, one of each never twice
             if (mode, executor) not in shas:
                 shas[mode, executor] = faults.reference(fault_root, fault_cache, fault_shape, mode, executor)
             return shas[mode, executor]

@@ -45,7 +45,7 @@ def executor_of(kind: str) -> str:
 
 
 # --- moments ----------------------------------------------------------------------------------
-def anchors(kind: str, shape: cp.Shape) -> list[str]:
+def anchors(kind: str, shape: cp.Shape, mode: str = "sync") -> list[str]:
     """Where in block 0's life a fault of `kind` may land. `step:k`: the train stage runs and
     k steps of the block are recorded (the kill hits step k+1 or its checkpoint);
     `rollout:engines`: the rollout stage is launching its engines (actors exist, fleet.json
@@ -53,7 +53,8 @@ def anchors(kind: str, shape: cp.Shape) -> list[str]:
     steps = [f"step:{k}" for k in range(shape.steps_per_block)]
     return {
         "driver": ["launch_ray", "rollout:engines", "rollout", *steps, "sync", "evaluate"],
-        "trainer": steps,
+        # async: the last steps come in a burst (rollouts were ahead), the stage may end first
+        "trainer": steps if mode == "sync" else steps[:-1] or steps,
         "engine": [*steps, "evaluate"],
         "router": [*steps, "evaluate"],
         "ray_head": ["rollout", *steps, "evaluate"],
@@ -86,9 +87,10 @@ class Plan:
 
 def plan(kind: str, mode: str, seed: int, shape: cp.Shape, anchor: str | None = None) -> Plan:
     rng = random.Random(f"{kind}/{mode}/{seed}")
-    chosen = rng.choice(anchors(kind, shape))
-    return Plan(kind, mode, seed, anchor or chosen, round(rng.uniform(0.0, MAX_DELAY_S), 2),
-                rng.choice(victims_of(kind)))
+    chosen = anchor or rng.choice(anchors(kind, shape, mode))
+    # A step lasts a few seconds: within one, the delay moves the kill across its phases.
+    delay = rng.uniform(0.0, MAX_DELAY_S / 2 if chosen.startswith("step:") else MAX_DELAY_S)
+    return Plan(kind, mode, seed, chosen, round(delay, 2), rng.choice(victims_of(kind)))
 
 
 def _block_steps(campaign: Path, block: int, shape: cp.Shape) -> int:
@@ -280,6 +282,9 @@ def verify(result: Result, campaign: Path, shape: cp.Shape, reference_sha: str |
         result.sha_equal = sha is not None and sha == reference_sha
     if not result.steps_ok and not result.problem:
         result.problem = f"steps recorded {steps}"
+    stale = max((r.get("rollout/staleness", 0) for r in rows), default=0)
+    if stale > (1 if result.mode == "async" else 0) and not result.problem:
+        result.problem = f"a step trained samples {stale} policy versions old"
 
 
 def leftovers(campaign: Path, shape: cp.Shape) -> list[psutil.Process]:

@@ -42,6 +42,7 @@ def _explain(r: faults.Result) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 @pytest.mark.parametrize("kind,mode,seed,anchor", CI_CASES, ids=[f"{k}-{m}" for k, m, _, _ in CI_CASES])
 def test_fault_is_recovered(kind, mode, seed, anchor, fault_root, fault_cache, fault_shape, references, request):
     if option(request.config, "--soak", False):
@@ -68,6 +69,7 @@ def _deadline(text: str | None) -> float | None:
     return at.timestamp()
 
 
+@pytest.mark.timeout(0)
 def test_soak(request, fault_root, fault_cache, fault_shape, references):
     config = request.config
     if not option(config, "--soak", False):
