@@ -12,11 +12,16 @@ engines, so the key would travel with every /generate for nothing.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import httpx
 
 from milepost.core.engine.http_guard import bearer_header
+
+
+FLUSH_MAX_ATTEMPTS = 60  # /flush_cache tries (Miles retries up to 60 times)
+FLUSH_BACKOFF_S = (0.05, 1.0)  # first wait between tries, doubled up to the second
 
 
 class EngineError(RuntimeError):
@@ -153,8 +158,30 @@ class EngineClient:
             self._takes_push_id = bool(self.server_info(timeout_s).get("accepts_push_id", False))
         return {"push_id": push_id} if self._takes_push_id else {}
 
-    def flush_cache(self, timeout_s: float | None = None) -> Any:
-        return self._call("POST", "/flush_cache", None, timeout_s)
+    def flush_cache(self, timeout_s: float | None = None) -> str:
+        """POST /flush_cache until it answers 200; returns its text. SGLang answers plain
+        text (never JSON: it is not parsed), 400 while requests are still running or waiting:
+        that is retried with backoff (FLUSH_BACKOFF_S, at most FLUSH_MAX_ATTEMPTS tries, as
+        Miles), all within `timeout_s`. Any other status, or no reply, raises at once."""
+        url, budget = f"{self.base_url}/flush_cache", timeout_s or self.timeout_s
+        end, delay, last = time.monotonic() + budget, FLUSH_BACKOFF_S[0], ""
+        for _ in range(FLUSH_MAX_ATTEMPTS):
+            left = end - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                reply = self._http.post(url, timeout=left)
+            except httpx.HTTPError as e:
+                raise EngineError(f"POST {url}", None, f"{type(e).__name__}: {e}") from e
+            if reply.status_code == 200:
+                return reply.text
+            if reply.status_code != 400:
+                raise EngineError(f"POST {url}", reply.status_code, reply.text[:500])
+            last = reply.text.strip()[:500]
+            time.sleep(max(0.0, min(delay, end - time.monotonic())))
+            delay = min(delay * 2, FLUSH_BACKOFF_S[1])
+        raise EngineError(f"POST {url}", 400, f"cache not flushed within {budget:g} s ({last}): requests are "
+                          "still running; pause generation first (mode abort or retract)")
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> Any:
         return self._call("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})

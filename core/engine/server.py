@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -56,6 +56,10 @@ NUMBER_TYPES = {"max_new_tokens": int, "top_k": int, "n": int, "min_new_tokens":
                 "temperature": float, "top_p": float, "min_p": float}
 MAX_SEQUENCES_PER_REQUEST = 16384  # prompts × n of one /generate: more is a mistake, not a batch
 NUM_CONTINUED_PUSHES = 256  # push ids remembered by the pause/continue ordering guard
+# /flush_cache's 200 body, byte for byte SGLang's (srt/entrypoints/http_server.py)
+FLUSHED_TEXT = ("Cache flushed.\nPlease check backend logs for more details. "
+                "(When there are running or waiting requests, the operation will not be performed.)\n")
+MAX_FLUSH_WAIT_S = 300.0
 
 
 class Scheduler:
@@ -191,6 +195,17 @@ class Scheduler:
         if running or queued:
             return (f"{running} requests running and {queued} queued: pause generation or let "
                     "them finish first")
+        return None
+
+    def flush_problem(self) -> str | None:
+        """Why the cache cannot be flushed now, or None. As SGLang's scheduler
+        (`is_fully_idle(ignore_waiting=paused)`): running requests always block a flush,
+        queued ones only while generation is not paused."""
+        with self._cv:
+            running, queued, paused = len(self._running), len(self._queue), self._paused is not None
+        if running or (queued and not paused):
+            return (f"Cache not flushed because there are pending requests. #queue-req: {queued}, "
+                    f"#running-req: {running}")
         return None
 
     def num_running(self) -> int:
@@ -456,10 +471,18 @@ def create_app(sched: Scheduler) -> FastAPI:
         return {"success": True, "message": "continued"}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush() -> Any:
-        ok = sched.num_running() == 0
-        return JSONResponse({"success": ok, "message": "Cache flushed." if ok else
-                             "cannot flush while requests are running"}, status_code=200 if ok else 400)
+    async def flush(timeout: float = 0.0) -> Any:
+        """SGLang's reply exactly (srt/entrypoints/http_server.py `flush_cache`): plain text,
+        200 once nothing runs (queued requests count only while not paused), else 400 with
+        the reason; `?timeout=` waits up to that many seconds for the engine to be idle."""
+        if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout >= 0):
+            return Response("`timeout` must be a finite number >= 0\n", status_code=400)
+        deadline = time.monotonic() + min(timeout, MAX_FLUSH_WAIT_S)
+        while (problem := sched.flush_problem()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if problem is None:
+            return Response(FLUSHED_TEXT, status_code=200)
+        return Response(problem + "\n", status_code=400)
 
     @app.post("/update_weight_version")
     async def update_version(request: Request) -> Any:

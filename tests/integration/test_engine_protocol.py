@@ -177,3 +177,30 @@ def test_bad_weight_group_requests_are_400(engine, change, named) -> None:
             "group_name": "bad", "backend": "gloo", **change}
     reply = httpx.post(f"{engine.base_url}/init_weights_update_group", json=body, timeout=10)
     assert reply.status_code == 400 and named in reply.json()["message"], reply.text
+
+
+def test_flush_cache_is_plain_text_retried_until_200(engine) -> None:
+    """SGLang's /flush_cache answers plain text, 200 or 400 while requests run; the client
+    never parses it as JSON and retries the 400 until 200 within its timeout."""
+    from milepost.core.engine.server import FLUSHED_TEXT
+    for method in ("GET", "POST"):
+        reply = httpx.request(method, f"{engine.base_url}/flush_cache", timeout=10)
+        assert reply.status_code == 200 and reply.text == FLUSHED_TEXT, (method, reply.text)
+    long = {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 1000, "temperature": 0.0, "ignore_eos": True}}
+    t, box = _generate_in_thread(engine, long)
+    time.sleep(0.5)
+    engine.pause("in_place")  # the request stays running: no flush
+    try:
+        busy = httpx.post(f"{engine.base_url}/flush_cache", timeout=10)
+        assert busy.status_code == 400 and "#running-req: 1" in busy.text, busy.text
+        started = time.monotonic()
+        with pytest.raises(EngineError) as err:
+            engine.flush_cache(timeout_s=1.0)
+        assert err.value.status == 400 and "not flushed within 1 s" in err.value.message
+        assert time.monotonic() - started < 5
+        threading.Timer(1.0, engine.continue_generation).start()  # the request finishes meanwhile
+        assert engine.flush_cache(timeout_s=60) == FLUSHED_TEXT
+    finally:
+        engine.continue_generation()
+        t.join(60)
+    assert box and box[0]["meta_info"]["finish_reason"]["type"] == "length"
