@@ -9,7 +9,6 @@ kind × sync/async, `--soak-runs` seeded runs in all) and writes tests/faults/RE
 from __future__ import annotations
 
 import datetime as dt
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -92,7 +91,9 @@ def test_soak(request, fault_root, fault_cache, fault_shape, references):
         wall = time.monotonic() - started
         return "\n".join([
             "# Fault-injection soak (tests/faults)", "",
-            f"Command: `python -m pytest tests/faults {' '.join(a for a in sys.argv[1:] if a.startswith('--soak'))}`",
+            f"Command: `python -m pytest tests/faults -k soak --soak --soak-runs {len(plans)} --soak-workers {workers}"
+            f" --soak-steps {fault_shape.steps_per_block}"
+            + (f" --soak-deadline {option(config, '--soak-deadline')}`" if deadline else "`"),
             f"(started {begun}, {len(results)} of {len(plans)} runs done, wall {wall / 60:.1f} min,"
             f" {workers} at once, 2-core machine shared with other work).",
             f"Each run: one campaign of tiny-arith, {fault_shape.num_blocks} block x {fault_shape.steps_per_block}"
