@@ -29,6 +29,8 @@ def pytest_addoption(parser):
     group.addoption("--soak-dir", default=None, help="where campaigns, logs and references go")
     group.addoption("--soak-deadline", default=None, help="HH:MM: start no run after this local time")
     group.addoption("--soak-steps", type=int, default=2, help="steps of each run's block (default 2)")
+    group.addoption("--soak-resume", action="store_true", default=False,
+                    help="keep the runs tests/faults/results.csv holds, run only the others")
     group.addoption("--soak-seed", type=int, default=1, help="first seed of each cell (default 1)")
 
 

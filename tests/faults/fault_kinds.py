@@ -360,13 +360,15 @@ def reference(root: Path, cache: Path, shape: cp.Shape, mode: str, executor: str
     """The uninterrupted run's final model_sha256 (computed once: kept under `root`)."""
     campaign, log = root / f"reference-{mode}-{executor}", root / f"reference-{mode}-{executor}.log"
     overrides = [*shape.overrides(), *cp.MODES[mode], *cp.EXECUTORS[executor]]
-    if not cp.complete(campaign, shape.num_blocks):
+    for attempt in range(2):  # a run that failed for want of CPU is not what this suite tests
+        if cp.complete(campaign, shape.num_blocks):
+            break
         if campaign.exists():
             import shutil
             release(campaign, shape, cache)
             shutil.rmtree(campaign)
         rc = cp.run_to_end(campaign, cache, overrides, log, RUN_TIMEOUT_S)
-        assert rc == 0, f"reference run failed (rc {rc}): {log}\n{log.read_text()[-3000:]}"
+        assert rc == 0 or attempt == 0, f"reference run failed (rc {rc}): {log}\n{log.read_text()[-3000:]}"
     sha, rows = cp.final_state(campaign, shape.num_blocks)
     assert sha and [r["step"] for r in rows] == list(range(1, shape.num_steps + 1)), (sha, log)
     return sha
@@ -410,10 +412,24 @@ def write_results(results: list[Result], path: Path, csv_path: Path, header: str
             w.writerow(row)
 
 
-def load_results(csv_path: Path) -> list[dict[str, Any]]:
+def load_results(csv_path: Path) -> list[Result]:
+    """The runs a CSV written by write_results holds (to continue an interrupted soak)."""
     import csv
+
+    def value(name: str, text: str) -> Any:
+        kind = Result.__dataclass_fields__[name].type
+        if name == "exit_codes":
+            return [int(x) for x in text.split()]
+        if kind in ("bool", "bool | None"):
+            return None if text == "" else text == "True"
+        if kind in ("int", "float"):
+            return (int if kind == "int" else float)(text)
+        return text
+    if not csv_path.exists():
+        return []
     with open(csv_path) as f:
-        return list(csv.DictReader(f))
+        return [Result(**{k: value(k, v) for k, v in row.items() if k in Result.__dataclass_fields__})
+                for row in csv.DictReader(f)]
 
 
 def dumps(result: Result) -> str:

@@ -73,7 +73,8 @@ def test_soak(request, fault_root, fault_cache, fault_shape, references):
     config = request.config
     if not option(config, "--soak", False):
         pytest.skip("the soak runs with --soak")
-    plans = soak_plans(option(config, "--soak-runs", 60), fault_shape, option(config, "--soak-seed", 1))
+    all_plans = soak_plans(option(config, "--soak-runs", 60), fault_shape, option(config, "--soak-seed", 1))
+    plans = all_plans
     workers = option(config, "--soak-workers", 1)
     deadline = _deadline(option(config, "--soak-deadline"))
     if any(p.executor == "slurm" for p in plans):
@@ -83,7 +84,10 @@ def test_soak(request, fault_root, fault_cache, fault_shape, references):
             pytest.fail(problem, pytrace=False)
 
     started, lock, slurm_lock = time.monotonic(), threading.Lock(), threading.Lock()
-    results: list[faults.Result] = []
+    # --soak-resume: keep the runs results.csv already holds (an interrupted soak), run the rest
+    results: list[faults.Result] = faults.load_results(RESULTS_CSV) if option(config, "--soak-resume") else []
+    done = {(r.kind, r.mode, r.seed) for r in results}
+    plans = [p for p in all_plans if (p.kind, p.mode, p.seed) not in done]
     skipped: list[str] = []
     begun = dt.datetime.now().strftime("%Y-%m-%d %H:%M")
 
@@ -91,10 +95,10 @@ def test_soak(request, fault_root, fault_cache, fault_shape, references):
         wall = time.monotonic() - started
         return "\n".join([
             "# Fault-injection soak (tests/faults)", "",
-            f"Command: `python -m pytest tests/faults -k soak --soak --soak-runs {len(plans)} --soak-workers {workers}"
+            f"Command: `python -m pytest tests/faults -k soak --soak --soak-runs {len(all_plans)} --soak-workers {workers}"
             f" --soak-steps {fault_shape.steps_per_block}"
             + (f" --soak-deadline {option(config, '--soak-deadline')}`" if deadline else "`"),
-            f"(started {begun}, {len(results)} of {len(plans)} runs done, wall {wall / 60:.1f} min,"
+            f"(started {begun}, {len(results)} of {len(all_plans)} runs done, wall {wall / 60:.1f} min,"
             f" {workers} at once, 2-core machine shared with other work).",
             f"Each run: one campaign of tiny-arith, {fault_shape.num_blocks} block x {fault_shape.steps_per_block}"
             f" steps x {fault_shape.prompts_per_step} prompts (one epoch, {fault_shape.num_prompts} prompts),"
@@ -111,7 +115,15 @@ def test_soak(request, fault_root, fault_cache, fault_shape, references):
         if deadline is not None and time.time() > deadline:
             skipped.append(p.name)
             return
-        ref = references(p.mode, p.executor) if p.mode == "sync" else None
+        try:
+            ref = references(p.mode, p.executor) if p.mode == "sync" else None
+        except Exception as e:  # noqa: BLE001 - recorded against the run, the soak goes on
+            r = faults.Result(p.kind, p.mode, p.seed, p.executor, p.anchor, p.delay_s, p.variant,
+                              problem=f"no reference run: {e}"[:500])
+            with lock:
+                results.append(r)
+                faults.write_results(results, RESULTS_MD, RESULTS_CSV, header())
+            return
         if p.executor == "slurm":
             with slurm_lock:  # the dev cluster's 2 nodes hold one block's allocation and jobs
                 r = faults.run_fault(p, fault_root, fault_cache, fault_shape, ref, on_event=print)
