@@ -9,53 +9,28 @@ of the epoch exactly once, with every step within the staleness bound.
 
 from __future__ import annotations
 
-import json
-import os
 import random
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
+# The helpers that run a campaign and read its store are shared with tests/faults.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "faults"))
+import fault_campaign as cp  # noqa: E402
+
 STEPS_PER_BLOCK = 6
 NUM_BLOCKS = 2
 PROMPTS_PER_STEP = 8
-OVERRIDES = [
-    f"campaign.num_blocks={NUM_BLOCKS}", f"campaign.steps_per_block={STEPS_PER_BLOCK}",
-    "checkpoint.every_steps=2", f"rollout.prompts_per_step={PROMPTS_PER_STEP}",
-    "rollout.num_samples_per_prompt=4", "model.tiny.warmstart_steps=60", "eval.num_prompts=32",
-    f"data.num_train_rows={NUM_BLOCKS * STEPS_PER_BLOCK * PROMPTS_PER_STEP}",  # exactly one epoch
-    "filters.drop_zero_variance_groups=false",
-]
-NONDETERMINISTIC = ("timing/",)
-
-
-def _command(campaign: Path, extra: tuple[str, ...] = ()) -> list[str]:
-    sets = [a for o in (*OVERRIDES, *extra) for a in ("--set", o)]
-    return [sys.executable, "-m", "milepost.cli", "run", "recipes/tiny-arith.yaml", "--quiet",
-            "--campaign", str(campaign), *sets]
-
-
-def _env(cache: Path) -> dict[str, str]:
-    return {**os.environ, "MILEPOST_CACHE": str(cache)}
-
-
-def _steps_recorded(campaign: Path) -> int:
-    steps = 0
-    for metrics in campaign.glob("blocks/*/metrics.jsonl"):
-        for line in metrics.read_text().splitlines():
-            if line.strip():
-                steps = max(steps, json.loads(line)["step"])
-    return steps
+SHAPE = cp.Shape(num_blocks=NUM_BLOCKS, steps_per_block=STEPS_PER_BLOCK, prompts_per_step=PROMPTS_PER_STEP,
+                 samples_per_prompt=4, checkpoint_every=2, warmstart_steps=60, eval_prompts=32)
+OVERRIDES = SHAPE.overrides()  # exactly one epoch
 
 
 def _run_to_end(campaign: Path, cache: Path, log: Path, extra: tuple[str, ...] = ()) -> None:
-    with open(log, "ab") as out:
-        rc = subprocess.run(_command(campaign, extra), env=_env(cache), stdout=out, stderr=subprocess.STDOUT,
-                            timeout=600).returncode
+    rc = cp.run_to_end(campaign, cache, [*OVERRIDES, *extra], log, timeout_s=600)
     assert rc == 0, log.read_text()[-4000:]
 
 
@@ -63,31 +38,20 @@ def _run_and_kill(campaign: Path, cache: Path, log: Path, after_step: int, delay
                   extra: tuple[str, ...] = ()) -> int:
     """Start a run, SIGKILL it `delay_s` after step `after_step` is in the metrics; the step
     count at the kill."""
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(_command(campaign, extra), env=_env(cache), stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 600
-        while _steps_recorded(campaign) < after_step:
-            assert proc.poll() is None, f"run ended before step {after_step}:\n{log.read_text()[-4000:]}"
-            assert time.monotonic() < deadline, "run made no progress in 600 s"
-            time.sleep(0.05)
-        time.sleep(delay_s)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(30)
-    return _steps_recorded(campaign)
+    proc = cp.start(campaign, cache, [*OVERRIDES, *extra], log)
+    deadline = time.monotonic() + 600
+    while cp.steps_recorded(campaign) < after_step:
+        assert proc.poll() is None, f"run ended before step {after_step}:\n{log.read_text()[-4000:]}"
+        assert time.monotonic() < deadline, "run made no progress in 600 s"
+        time.sleep(0.05)
+    time.sleep(delay_s)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    return cp.steps_recorded(campaign)
 
 
 def _final_state(campaign: Path) -> tuple[str, list[dict]]:
-    status = subprocess.run([sys.executable, "-m", "milepost.cli", "status", str(campaign), "--json"],
-                            capture_output=True, text=True, timeout=60, check=True)
-    doc = json.loads(status.stdout)
-    rows = []
-    for b in range(NUM_BLOCKS):
-        path = campaign / "blocks" / f"{b:06d}" / "metrics.jsonl"
-        rows += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    for row in rows:
-        for key in [k for k in row if k.startswith(NONDETERMINISTIC)]:
-            del row[key]
-    return doc["latest_checkpoint"]["model_sha256"], rows
+    return cp.final_state(campaign, NUM_BLOCKS)
 
 
 @pytest.mark.slow
