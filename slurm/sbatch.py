@@ -200,9 +200,12 @@ on_node() {  # on_node NODE CMD...: one srun step on NODE, in the background
 HEAD_IP=$(node_ip) || exit 1
 ADDRESS="$HEAD_IP:$GCS_PORT"
 # The slot must be free on the head node before `ray start` (which fails late on a taken
-# port); exit 75 tells the launcher to submit again on the next slot.
+# port); exit 75 tells the launcher to submit again on the next slot. Of the worker range
+# only its ends, as the local launcher checks (tasks/local_ray.py): Ray skips a taken worker
+# port, and on a busy node some of 200 ports in the ephemeral range are always some
+# connection's local port, so checking every one failed every slot.
 "$PYTHON" -m milepost.slurm.port_check "$GCS_PORT" "$DASHBOARD_PORT" "$CLIENT_SERVER_PORT" \
-  "$NODE_PORT_BASE-$((NODE_PORT_BASE + 3))" "$MIN_WORKER_PORT-$MAX_WORKER_PORT" || exit $?
+  "$NODE_PORT_BASE-$((NODE_PORT_BASE + 3))" "$MIN_WORKER_PORT" "$MAX_WORKER_PORT" || exit $?
 on_node "${NODES[0]}" bash -c 'ray_node head 0'
 for _ in $(seq "$JOIN_TIMEOUT_S"); do
   (exec 3<>"/dev/tcp/$HEAD_IP/$GCS_PORT") 2>/dev/null && break
