@@ -9,6 +9,7 @@ kind × sync/async, `--soak-runs` seeded runs in all) and writes tests/faults/RE
 from __future__ import annotations
 
 import datetime as dt
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -99,7 +100,9 @@ def test_soak(request, fault_root, fault_cache, fault_shape, references):
             f" --soak-steps {fault_shape.steps_per_block}"
             + (f" --soak-deadline {option(config, '--soak-deadline')}`" if deadline else "`"),
             f"(started {begun}, {len(results)} of {len(all_plans)} runs done, wall {wall / 60:.1f} min,"
-            f" {workers} at once, 2-core machine shared with other work).",
+            f" {workers} at once, 2-core machine shared with other work)"
+            + (f"; product code of commit {os.environ['MILEPOST_FAULTS_COMMIT']} (a snapshot: the shared working"
+               " tree's uncommitted edits stay out)." if os.environ.get("MILEPOST_FAULTS_COMMIT") else "."),
             f"Each run: one campaign of tiny-arith, {fault_shape.num_blocks} block x {fault_shape.steps_per_block}"
             f" steps x {fault_shape.prompts_per_step} prompts (one epoch, {fault_shape.num_prompts} prompts),"
             f" checkpoint every {fault_shape.checkpoint_every} steps; one SIGKILL at a seeded-random moment;"
