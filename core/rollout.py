@@ -5,8 +5,18 @@ router; it returns one `Sample` per generated response. It is named in the recip
 registered name or an import path and checked against `RolloutFn` at start-up.
 
 Determinism: in sync mode the prompts of a step are sent as one batched `/generate` per
-engine with a fixed `sampling_seed`, so the same step always yields the same tokens
-whichever engine serves it.
+engine with fixed seeds, so the same step always yields the same tokens whichever engine
+serves it.
+
+Seed rule (one for SGLang and the built-in engine): never `n > 1` with one seed. SGLang
+copies the params into every sample, so with --enable-deterministic-inference the group's
+samples come out identical (zero GRPO variance) and without it the seed is ignored. Instead
+each of the n samples is its own request with `n = 1` and seed s + j (j = 0 … n-1): input
+i of that request is sample j of prompt i of the chunk. The request is batched over the
+chunk's prompts with one `sampling_params` object (sglang-router 0.3.2 refuses a list of
+them: measured 422), so every input of it uses seed s + j, on both engines: prompts share
+seeds, their samples differ by the prompt. These are the tokens the built-in engine drew
+before this rule (sample j of a prompt used s + j), and the n requests go out at once.
 """
 
 from __future__ import annotations
@@ -61,12 +71,9 @@ def default_rollout(request: RolloutRequest, router: EngineClient) -> list[Sampl
     def generate(chunk_index: int) -> list[PartialResponse]:
         chunk = chunks[chunk_index]
         seed = request.sampling_seed + offsets[chunk_index] * n
-        reply = router.generate(input_ids=[p.prompt_ids for p in chunk],
-                                sampling_params=dict(request.sampling_params, n=n, sampling_seed=seed),
-                                return_logprob=True)
-        outputs = reply if isinstance(reply, list) else [reply]
-        if len(outputs) != len(chunk) * n:
-            raise RuntimeError(f"engine returned {len(outputs)} outputs for {len(chunk) * n} requests")
+        with ThreadPoolExecutor(max_workers=n) as samples:  # the n requests go out at once
+            per_seed = list(samples.map(lambda j: sample(chunk, seed + j), range(n)))
+        outputs = [per_seed[j][i] for i in range(len(chunk)) for j in range(n)]  # prompt-major
         responses = [PartialResponse(chunk[j // n], offsets[chunk_index] + j // n, seed + j,
                                      request.sampling_params["max_new_tokens"]) for j in range(len(outputs))]
         for response, output in zip(responses, outputs):
@@ -74,6 +81,16 @@ def default_rollout(request: RolloutRequest, router: EngineClient) -> list[Sampl
         if request.continue_cut_responses:
             continue_cut_responses(responses, request.sampling_params, continuation)
         return responses
+
+    def sample(chunk: list[Prompt], seed: int) -> list[dict[str, Any]]:
+        """One sample of every prompt of `chunk`, all seeded `seed` (seed rule above)."""
+        reply = router.generate(input_ids=[p.prompt_ids for p in chunk],
+                                sampling_params=dict(request.sampling_params, n=1, sampling_seed=seed),
+                                return_logprob=True)
+        outputs = reply if isinstance(reply, list) else [reply]
+        if len(outputs) != len(chunk):
+            raise RuntimeError(f"engine returned {len(outputs)} outputs for {len(chunk)} inputs")
+        return outputs
 
     def continuation(input_ids: list[list[int]], params: dict[str, Any]) -> list[dict[str, Any]]:
         reply = router.generate(input_ids=input_ids, sampling_params=params, return_logprob=True)

@@ -61,9 +61,14 @@ class Sequence:
 
 def make_sequences(prompt_ids: list[int], params: SamplingParams, n: int, rid: str = "",
                    logprob_start_len: int = -1) -> list[Sequence]:
-    """n samples of one prompt; sample j of sampling_seed s uses seed s + j."""
-    base = params.sampling_seed if params.sampling_seed is not None else random.getrandbits(62)
-    return [Sequence(list(prompt_ids), params, rid, base + j, logprob_start_len) for j in range(n)]
+    """n samples of one prompt, as SGLang makes them: the same params copied into each.
+    With a `sampling_seed` every sample uses that seed, so the n samples are identical
+    (SGLang with --enable-deterministic-inference; without it SGLang ignores the seed).
+    Distinct reproducible samples: one input per sample, each with its own seed and n = 1
+    (what milepost's rollout sends). Without a seed each sample draws its own."""
+    seeds = [params.sampling_seed] * n if params.sampling_seed is not None else [random.getrandbits(62)
+                                                                                for _ in range(n)]
+    return [Sequence(list(prompt_ids), params, rid, seed, logprob_start_len) for seed in seeds]
 
 
 def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

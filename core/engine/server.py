@@ -332,6 +332,22 @@ def parse_sampling(raw: Any) -> tuple[SamplingParams, int, bool]:
     return params, int(v["n"]), bool(v["skip_special_tokens"])
 
 
+def parse_sampling_list(raw: Any, num_inputs: int) -> tuple[list[SamplingParams], int, bool]:
+    """`sampling_params` as SGLang's GenerateReqInput takes it: one object for every input,
+    or a list with one object per input (all with the same `n`, as SGLang requires).
+    Returns (params per input, n, skip_special_tokens of the first)."""
+    if not isinstance(raw, list):
+        params, n, skip = parse_sampling(raw)
+        return [params] * num_inputs, n, skip
+    if len(raw) != num_inputs:
+        raise BadRequest(f"`sampling_params` is a list of {len(raw)}; give one object per input ({num_inputs}) "
+                         "or a single object for all")
+    parsed = [parse_sampling(item) for item in raw]
+    if len({n for _, n, _ in parsed}) != 1:
+        raise BadRequest("every entry of a `sampling_params` list must have the same `n` (as in SGLang)")
+    return [p for p, _, _ in parsed], parsed[0][1], parsed[0][2]
+
+
 def _prompts(body: dict, sched: Scheduler) -> tuple[list[list[int]], bool]:
     """input_ids (list or list of lists) or text → token lists, and whether it was a batch."""
     ids = body.get("input_ids")
@@ -428,14 +444,14 @@ def create_app(sched: Scheduler) -> FastAPI:
             return _error(problem, 503)
         if body.get("stream"):
             raise BadRequest("streaming is not supported by the built-in engine")
-        params, n, skip = parse_sampling(body.get("sampling_params"))
         prompts, batched = _prompts(body, sched)
-        check_size(prompts, params, n, sched.context_len)
+        per_input, n, skip = parse_sampling_list(body.get("sampling_params"), len(prompts))
+        check_size(prompts, max(per_input, key=lambda p: p.max_new_tokens), n, sched.context_len)
         start = body.get("logprob_start_len", -1)
         if not isinstance(start, int) or isinstance(start, bool) or not -1 <= start < min(len(p) for p in prompts):
             raise BadRequest("`logprob_start_len` must be an int in [-1, prompt length)")
         rid = body.get("rid") or uuid.uuid4().hex
-        seqs = [s for p in prompts for s in make_sequences(p, params, n, str(rid), start)]
+        seqs = [s for p, params in zip(prompts, per_input) for s in make_sequences(p, params, n, str(rid), start)]
         await sched.submit(seqs)
         out = [_response(s, sched, body, skip, t0, sched.weight_version) for s in seqs]
         return out if (batched or n > 1) else out[0]

@@ -48,8 +48,18 @@ def test_same_seed_same_output(model) -> None:
     b = _run(gen, PROMPTS, params, n=3)
     assert [s.output_ids for s in a] == [s.output_ids for s in b]
     assert [s.output_logprobs for s in a] == [s.output_logprobs for s in b]
-    # samples of one prompt use seeds s, s+1, s+2, so they differ
-    assert len({tuple(s.output_ids) for s in a[:3]}) > 1
+    # as SGLang (deterministic inference): n samples with one seed are the same sample
+    assert len({tuple(s.output_ids) for s in a[:3]}) == 1
+    # distinct samples: one sequence per sample, seeds s + j (what the rollout sends)
+    distinct = [_run(gen, PROMPTS[:1], SamplingParams(**{**params.__dict__, "sampling_seed": 7 + j}))[0]
+                for j in range(3)]
+    assert len({tuple(s.output_ids) for s in distinct}) > 1
+
+
+def test_unseeded_samples_of_one_prompt_differ(model) -> None:
+    gen = Generator(model, eos_token_ids=[1])
+    seqs = _run(gen, PROMPTS[:1], SamplingParams(max_new_tokens=10, temperature=1.0, ignore_eos=True), n=4)
+    assert len({tuple(s.output_ids) for s in seqs}) > 1
 
 
 def test_stop_and_min_new_tokens(model) -> None:
