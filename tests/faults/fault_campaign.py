@@ -152,9 +152,11 @@ def status(campaign: Path) -> dict[str, Any]:
     return json.loads(out.stdout) if out.returncode == 0 else {}
 
 
-def final_state(campaign: Path, num_blocks: int) -> tuple[str | None, list[dict[str, Any]]]:
-    """(latest checkpoint's model_sha256, every metric row without its nondeterministic keys)."""
-    doc = status(campaign)
+def final_state(campaign: Path, num_blocks: int, doc: dict[str, Any] | None = None
+                ) -> tuple[str | None, list[dict[str, Any]]]:
+    """(latest checkpoint's model_sha256, every metric row without its nondeterministic keys),
+    from `milepost status --json` (or its document `doc`, already read)."""
+    doc = status(campaign) if doc is None else doc
     rows = []
     for b in range(num_blocks):
         path = campaign / "blocks" / f"{b:06d}" / "metrics.jsonl"
@@ -166,8 +168,15 @@ def final_state(campaign: Path, num_blocks: int) -> tuple[str | None, list[dict[
     return (doc.get("latest_checkpoint") or {}).get("model_sha256"), rows
 
 
-def complete(campaign: Path, num_blocks: int) -> bool:
-    doc = status(campaign)
+def complete(campaign: Path, num_blocks: int, doc: dict[str, Any] | None = None) -> bool:
+    """Every block done, per `milepost status` (its document `doc`, or read in this process:
+    the same function, without a process start per poll)."""
+    if doc is None:
+        from milepost.tasks.status import campaign_status
+        try:
+            doc = campaign_status(str(campaign))
+        except Exception:  # noqa: BLE001 - not a campaign (yet): not complete
+            return False
     blocks = doc.get("blocks", [])
     return len(blocks) >= num_blocks and all(b["state"] == "done" for b in blocks[:num_blocks])
 

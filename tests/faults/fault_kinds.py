@@ -270,14 +270,15 @@ def _stage_now(campaign: Path, block: int = 0) -> str:
 
 
 def verify(result: Result, campaign: Path, shape: cp.Shape, reference_sha: str | None) -> None:
-    sha, rows = cp.final_state(campaign, shape.num_blocks)
+    doc = cp.status(campaign)
+    sha, rows = cp.final_state(campaign, shape.num_blocks, doc)
     steps = [r["step"] for r in rows]
     result.steps_ok = steps == list(range(1, shape.num_steps + 1))
     prompts = [i for r in rows for i in r.get("data/prompt_indices", [])]
     expected = set(range(shape.num_prompts))
     result.lost = len(expected - set(prompts))
     result.repeated = len(prompts) - len(set(prompts)) + len(set(prompts) - expected)
-    result.resumed = cp.complete(campaign, shape.num_blocks)
+    result.resumed = cp.complete(campaign, shape.num_blocks, doc)
     if result.mode == "sync":
         result.sha_equal = sha is not None and sha == reference_sha
     if not result.steps_ok and not result.problem:
