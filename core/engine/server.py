@@ -552,7 +552,8 @@ def create_app(sched: Scheduler) -> FastAPI:
     @app.get("/get_server_info")
     async def server_info() -> Any:
         return {"model_path": sched.model_path, "served_model_name": sched.model_path, "dp_size": 1,
-                "tp_size": 1, "weight_version": sched.weight_version, "max_batch_size": sched.max_batch_size,
+                "tp_size": 1, "device": "cpu",  # the weight-update group: gloo (groups.choose_backend)
+                "weight_version": sched.weight_version, "max_batch_size": sched.max_batch_size,
                 "max_gloo_streams": MAX_GLOO_STREAMS,  # /init_weights_update_group takes `gloo_streams`
                 "accepts_push_id": True}  # /pause_generation and /continue_generation take `push_id`
 

@@ -30,8 +30,13 @@ class SenderRank:
         self._weight_sender().release()
 
     def weight_group_address(self) -> tuple[str, int]:
+        """The node's address and a port free on that very address: a port free on loopback
+        may be taken on the node's address (measured: Ray's agents serve HTTP there, and an
+        engine joining the group then pinged an HTTP server)."""
         import ray  # rank workers also run without Ray (bench/megatron_mfu.py on a bare GPU machine)
-        return ray.util.get_node_ip_address(), self.free_port()
+        from milepost.core.engine.router import free_port
+        address = ray.util.get_node_ip_address()
+        return address, free_port(address)
 
     def init_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
                           timeout_s: float, backend: str = "gloo", streams: int = 1) -> None:

@@ -15,14 +15,17 @@ from milepost.core.weight_sync.session import SessionTransport
 
 
 class DistributedTransport(SessionTransport):
-    """Rules: the group is made once per set of engines (trainer rank 0, engine i rank 1+i)
-    and reused across pushes; after any failed attempt it is destroyed on all sides and made
-    again under a new name, because a collective that failed leaves its peers out of step.
+    """Rules: the group is made once per set of engines and reused across pushes. Ranks as
+    SGLang expects them: trainer 0, engine i's TP ranks from `1 + Σ_{j<i} tp_j` (running
+    offsets, groups.rank_offsets; tp from each engine's /server_info `tp_size`), world
+    `1 + Σ tp`. After any failed attempt the group is destroyed on all sides and made again
+    under a new name, because a collective that failed leaves its peers out of step.
     Buckets go one at a time, each in the same order on both sides. The trainer's side of
     the group times out after `timeout_s`, so a broadcast to a dead engine ends.
-    `group_backend`: gloo on CPU, nccl for SGLang on GPUs. `gloo_streams`: TCP connections
-    of a gloo group (groups.py says why more than one); the group gets the count every
-    engine accepts (agree_streams). `flattened`: buckets travel as their bytes back to back
+    `group_backend`: None (the default) picks it from the engines' /server_info
+    (groups.choose_backend: gloo when every engine runs on the CPU, else nccl).
+    `gloo_streams`: TCP connections of a gloo group (groups.py says why more than one); the
+    group gets the count every engine accepts (agree_streams). `flattened`: buckets travel as their bytes back to back
     (load_format flattened_bucket; one broadcast per connection, groups.flat_pieces) rather
     than one broadcast per tensor (reordered so each connection carries about the same
     bytes). None (the default) picks flattened exactly when the group has several
@@ -36,7 +39,7 @@ class DistributedTransport(SessionTransport):
 
     def __init__(self, timeout_s: float = 120.0, bucket_mb: float = 512.0, num_attempts: int = 2,
                  pause_mode: str = "abort", cleanup_timeout_s: float = 5.0, flattened: bool | None = None,
-                 group_backend: str = "gloo", gloo_streams: int = 1) -> None:
+                 group_backend: str | None = None, gloo_streams: int = 1) -> None:
         super().__init__(timeout_s, bucket_mb, num_attempts, pause_mode, cleanup_timeout_s)
         groups.check_streams(gloo_streams)
         self.flattened, self.group_backend, self.gloo_streams = flattened, group_backend, gloo_streams
@@ -51,20 +54,20 @@ class DistributedTransport(SessionTransport):
             return
         if self._group is not None:
             self._destroy(pool, self._clients, backend)
-        streams = 1
-        if self.group_backend == "gloo" and self.gloo_streams > 1:
-            infos = on_engines(pool, clients, "server_info", lambda c: c.server_info(timeout_s=deadline.left()),
-                               deadline)
-            streams = agree_streams(self.gloo_streams, infos)
-        name, world = f"milepost_wu_{uuid.uuid4().hex[:8]}", len(clients) + 1
+        infos = on_engines(pool, clients, "server_info", lambda c: c.server_info(timeout_s=deadline.left()),
+                           deadline)
+        offsets, world = groups.rank_offsets([info.get("tp_size", 1) for info in infos])
+        group_backend = self.group_backend or groups.choose_backend(infos)
+        streams = agree_streams(self.gloo_streams, infos) if group_backend == "gloo" else 1
+        name = f"milepost_wu_{uuid.uuid4().hex[:8]}"
         address, port = backend.weight_group_address(timeout_s=deadline.left())
         self._group, self._clients = (name, urls), list(clients)  # set first: a failure destroys it
         self._streams = streams
         # the group's timeout (every later broadcast too) is a whole attempt's
         trainer = pool.submit(lambda: backend.init_weight_group(address, port, world, name, timeout_s=self.timeout_s,
-                                                                backend=self.group_backend, streams=streams))
+                                                                backend=group_backend, streams=streams))
         on_engines(pool, clients, "init_weights_update_group", lambda c: c.init_weights_update_group(
-            address, port, 1 + clients.index(c), world, name, self.group_backend, timeout_s=deadline.left(),
+            address, port, offsets[clients.index(c)], world, name, group_backend, timeout_s=deadline.left(),
             gloo_streams=streams), deadline)
         result(trainer, deadline, "trainer joining the weight-update group")
 

@@ -1,11 +1,12 @@
 """The weight-update process group, shared by the trainer (rank 0) and the engines.
 
-SGLang's pattern: a rendezvous on the trainer's address, then a process group beside any
-default group the process has. nccl (GPUs, SGLang) goes through torch's own helper.
+SGLang's pattern (init_weight_group says exactly which): a rendezvous on the trainer's
+address, then a process group beside any default group the process has, through torch's own
+helper, whatever the backend (nccl on GPUs, gloo on CPU; choose_backend).
 
-gloo may run `streams` TCP connections instead of one. Why: on loopback a single gloo
-connection is bound by the sender's core (it copies into the socket and runs the TCP
-receive path for its peer too: measured 100 % system time on the sender, 60 % on the
+Milepost's extension: gloo may run `streams` TCP connections instead of one. Why: on
+loopback a single gloo connection is bound by the sender's core (it copies into the socket
+and runs the TCP receive path for its peer too: measured 100 % system time on the sender, 60 % on the
 receiver). With several connections both cores carry both halves. torch's gloo group
 already supports this (one connection per device, collective k on device k % n), but only
 through GLOO_SOCKET_IFNAME, which is global to the process; here the devices are built
@@ -30,6 +31,7 @@ from milepost.core.tcp_store import bound_store
 from milepost.core.weight_sync.wire import Spec, spec_nbytes
 
 MAX_GLOO_STREAMS = 16
+GROUP_BACKENDS = ("nccl", "gloo")
 
 
 def check_streams(streams: int) -> None:
@@ -41,27 +43,59 @@ def check_streams(streams: int) -> None:
 def init_weight_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
                       timeout_s: float, backend: str = "gloo", streams: int = 1) -> Any:
     """Join the group `group_name` as `rank`; rank 0 hosts the TCP store. Returns the
-    process group (for torch.distributed calls with group=...)."""
+    process group (for torch.distributed calls with group=...).
+
+    Formed exactly as SGLang forms it (`init_custom_process_group`, sglang 0.5.23
+    srt/utils/common.py:2859): rendezvous(tcp://address:port) → store.set_timeout →
+    PrefixStore(group_name, store) → torch's `_new_process_group_helper(world_size, rank, [],
+    Backend(backend), store, group_name=…, backend_options=None, timeout=…)` →
+    `_world.pg_group_ranks`. The helper adds its own key levels (per device): a group built
+    any other way waits on keys that never appear. One difference, on rank 0 only: its store
+    is `tcp_store.bound_store`, listening on `master_address` only (torch's tcp:// rendezvous
+    listens on every interface); the keys are the same. `streams` > 1 (gloo only) is
+    milepost's extension (`_gloo_group`), formed only with engines that announced it."""
     from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper,
                                                     _world, rendezvous)
     check_streams(streams)
     if streams > 1 and backend != "gloo":
         raise ValueError(f"streams={streams}: more than 1 only with gloo ({backend} has its own channels)")
+    if backend not in GROUP_BACKENDS:
+        raise ValueError(f"weight-update group backend `{backend}`: use nccl (GPUs) or gloo (CPU)")
     timeout = datetime.timedelta(seconds=timeout_s)
     if rank == 0:
         store = bound_store(master_address, master_port, world_size, True, timeout)
-    else:  # the engines' side, exactly SGLang's init_custom_process_group
-        store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
+    else:  # the engines' side: SGLang's rendezvous
+        host = f"[{master_address}]" if ":" in master_address else master_address
+        store, rank, world_size = next(rendezvous(f"tcp://{host}:{master_port}", rank, world_size,
                                                   timeout=timeout))
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
-    if backend == "gloo":
+    if streams > 1:
         pg = _gloo_group(store, rank, world_size, group_name, timeout, streams)
     else:
         pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
                                           backend_options=None, timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
+
+
+def rank_offsets(tp_sizes: list[int]) -> tuple[list[int], int]:
+    """Each engine's first rank in the group and the group's size, as SGLang expects:
+    trainer rank 0, engine i's TP rank r joins as `1 + Σ_{j<i} tp_j + r`, world 1 + Σ tp."""
+    if any(not isinstance(t, int) or isinstance(t, bool) or t < 1 for t in tp_sizes):
+        raise ValueError(f"engine TP sizes {tp_sizes}: each must be an int >= 1 (/server_info `tp_size`)")
+    offsets, pos = [], 1
+    for tp in tp_sizes:
+        offsets.append(pos)
+        pos += tp
+    return offsets, pos
+
+
+def choose_backend(server_infos: list[dict[str, Any]]) -> str:
+    """nccl unless every engine says it runs on the CPU (/server_info `device`: "cpu", as the
+    built-in engine does): SGLang serves from GPUs and receives weights over nccl."""
+    cpu = all(str(info.get("device", "cuda")).lower() == "cpu" for info in server_infos)
+    return "gloo" if cpu else "nccl"
 
 
 def _gloo_group(store: Any, rank: int, world_size: int, group_name: str, timeout: datetime.timedelta,

@@ -65,6 +65,20 @@ def test_streams_are_what_every_engine_takes() -> None:
     assert agree_streams(1, [{"max_gloo_streams": 16}]) == 1
 
 
+def test_running_rank_offsets_follow_each_engines_tp_size() -> None:
+    """SGLang: engine i's TP rank r joins as 1 + Σ_{j<i} tp_j + r; world = 1 + Σ tp."""
+    assert groups.rank_offsets([1, 1, 1]) == ([1, 2, 3], 4)
+    assert groups.rank_offsets([2, 4, 1]) == ([1, 3, 7], 8)
+    with pytest.raises(ValueError, match="tp_size"):
+        groups.rank_offsets([2, 0])
+
+
+def test_backend_is_gloo_only_when_every_engine_runs_on_cpu() -> None:
+    assert groups.choose_backend([{"device": "cpu"}, {"device": "cpu"}]) == "gloo"
+    assert groups.choose_backend([{"device": "cpu"}, {"device": "cuda"}]) == "nccl"
+    assert groups.choose_backend([{"tp_size": 2}]) == "nccl"  # SGLang serves from GPUs by default
+
+
 def test_bad_stream_counts_are_refused() -> None:
     with pytest.raises(ValueError, match="gloo_streams=0"):
         groups.init_weight_group("127.0.0.1", 1, 0, 2, "g", 1.0, streams=0)
