@@ -110,8 +110,60 @@ class DataConfig(Section):
     num_eval_rows: int = Field(200, ge=1, description="Rows generated for builtin eval sets.")
 
 
+# Flags the launcher sets itself (core/engine/launcher.py): `rollout.sglang.extra_args` may not
+# repeat them, nor put a key on the command line, where `ps` shows it to every user.
+MANAGED_ENGINE_FLAGS = frozenset({
+    "--model-path", "--model", "--host", "--port", "--nccl-port", "--tp-size", "--tensor-parallel-size",
+    "--dp-size", "--data-parallel-size", "--ep-size", "--expert-parallel-size", "--ep", "--base-gpu-id",
+    "--mem-fraction-static", "--enable-memory-saver", "--weight-version", "--skip-server-warmup",
+    "--enable-return-routed-experts", "--enable-deterministic-inference", "--dist-init-addr",
+    "--nccl-init-addr", "--nnodes", "--node-rank", "--max-running-requests", "--config"})
+SECRET_ENGINE_FLAGS = frozenset({"--api-key", "--admin-api-key"})
+
+
+class SglangConfig(Section):
+    """Options of SGLang engines (`rollout.engine: sglang`); the built-in engine ignores them."""
+
+    mem_fraction_static: float | None = Field(
+        None, gt=0.0, lt=1.0, description="SGLang --mem-fraction-static: the share of each GPU for weights "
+                                          "and KV cache; null: SGLang's own default. Colocated with the "
+                                          "trainer, leave room for it (e.g. 0.5).")
+    dp_size: int | None = Field(None, ge=1, description="SGLang --dp-size (data-parallel replicas inside one "
+                                                        "engine); null: not passed.")
+    ep_size: int | None = Field(None, ge=1, description="SGLang --ep-size (expert parallelism, MoE); null: "
+                                                        "not passed.")
+    enable_return_routed_experts: bool = Field(
+        False, description="SGLang --enable-return-routed-experts: responses carry the routed experts "
+                           "(MoE routing replay). Needs an MoE model.")
+    enable_deterministic_inference: bool = Field(
+        False, description="SGLang --enable-deterministic-inference (batch-invariant kernels; slower).")
+    extra_args: tuple[str, ...] = Field(
+        (), description="More `sglang.launch_server` arguments, one list item per argv word, e.g. "
+                        "[--attention-backend, fa3]. Flags milepost sets itself are refused.")
+
+    @field_validator("extra_args")
+    @classmethod
+    def _not_managed(cls, args: tuple[str, ...]) -> tuple[str, ...]:
+        for arg in args:
+            if any(c in arg for c in "\n\r\0"):
+                raise ValueError(f"rollout.sglang.extra_args item {arg!r} contains a newline or NUL")
+            flag = arg.split("=", 1)[0]
+            if flag in SECRET_ENGINE_FLAGS:
+                raise ValueError(f"rollout.sglang.extra_args: {flag} would put a key on the command line, "
+                                 "visible in `ps`; milepost passes the campaign's admin key in an owner-only "
+                                 "--config file itself")
+            if flag in MANAGED_ENGINE_FLAGS:
+                raise ValueError(f"rollout.sglang.extra_args: {flag} is set by milepost itself; use its "
+                                 "rollout field instead (see `milepost run RECIPE --dry-run`)")
+        return args
+
+
 class RolloutConfig(Section):
     function: str = Field("default", description="Registered rollout function or import path.")
+    engine: Literal["builtin", "sglang"] = Field(
+        "builtin", description="builtin: milepost's own engine (CPU, or one GPU). sglang: "
+                               "`python -m sglang.launch_server` on GPU bundles (pip install milepost[sglang]).")
+    sglang: SglangConfig = SglangConfig()
     num_engines: int = Field(1, ge=1)
     num_samples_per_prompt: int = Field(8, ge=1)
     prompts_per_step: int = Field(32, ge=1)
@@ -128,7 +180,9 @@ class RolloutConfig(Section):
         True, description="A response cut by a weight push keeps its tokens and is continued under "
                           "the new policy (per-token versions recorded); false: its chunk is generated again.")
     request_timeout_s: float = Field(300.0, gt=0)
-    engine_startup_timeout_s: float = Field(180.0, gt=0)
+    engine_startup_timeout_s: float = Field(
+        180.0, gt=0, description="Cold-start budget of one engine: launch until its first healthy "
+                                 "/health_generate (an SGLang engine of a large model needs minutes).")
     router_policy: Literal["round_robin", "cache_aware", "power_of_two"] = "round_robin"
     max_engine_restarts: int = Field(
         2, ge=0, description="Engine restarts the fleet may make in one stage; one more death fails it.")

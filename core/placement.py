@@ -9,6 +9,10 @@ need it) and found by name by the train stage and by engine restarts:
 - `disaggregated`: the trainer's bundles first, then the engines' own; nothing is shared,
   so rollout and training overlap freely (async, loop.max_staleness > 0).
 
+SGLang engines (`rollout.engine: sglang`) get GPU bundles: engine e's bundle holds its
+TP size in GPUs, the engine actor asks for them (`num_gpus`), Ray sets its
+CUDA_VISIBLE_DEVICES, and the engine starts at `--base-gpu-id 0` (core/engine/launcher.py).
+
 Strategy PACK: bundles fill one node before the next, so a block's trainer ranks stay
 together (their collectives are the heaviest traffic). The group dies with the block's Ray
 cluster (teardown); nothing else removes it.
@@ -33,14 +37,19 @@ class Placement:
     num_ranks: int
     num_engines: int
     rank_cpus: float
+    engine_gpus: int = 0  # GPUs per engine: SGLang TP=k takes k (launcher.engine_gpus), the built-in none
 
     def bundles(self) -> list[dict[str, float]]:
-        """Logical CPUs only for now: GPU bundles come with an engine that uses GPUs
-        (SGLang); the built-in engine and the CPU trainer ask for none."""
+        """Logical CPUs, plus `engine_gpus` GPUs in each engine's bundle (an SGLang engine of
+        TP=k is one actor: its k GPUs must be one bundle, hence one node). Colocated, bundle
+        e holds engine e's GPUs and trainer rank e runs beside it: the trainer's ranks ask no
+        GPU of the group and share the engines' devices (engines sleep while it trains)."""
+        gpu = {"GPU": float(self.engine_gpus)} if self.engine_gpus else {}
         if self.mode == "colocated":
-            return [{"CPU": self.rank_cpus + ENGINE_CPUS} for _ in range(max(self.num_ranks, self.num_engines))]
+            return [{"CPU": self.rank_cpus + ENGINE_CPUS, **(gpu if b < self.num_engines else {})}
+                    for b in range(max(self.num_ranks, self.num_engines))]
         return ([{"CPU": self.rank_cpus} for _ in range(self.num_ranks)]
-                + [{"CPU": ENGINE_CPUS} for _ in range(self.num_engines)])
+                + [{"CPU": ENGINE_CPUS, **gpu} for _ in range(self.num_engines)])
 
     def rank_bundle(self, rank: int) -> int:
         return rank
@@ -52,8 +61,11 @@ class Placement:
 
 
 def placement_for(recipe: Any, rank_cpus: float) -> Placement:
-    """The block's placement from the recipe (cluster.placement, train.num_ranks, engines)."""
-    return Placement(recipe.cluster.placement, recipe.train.num_ranks, recipe.rollout.num_engines, rank_cpus)
+    """The block's placement from the recipe (cluster.placement, train.num_ranks, engines;
+    GPU bundles for SGLang engines)."""
+    from milepost.core.engine.launcher import engine_gpus
+    return Placement(recipe.cluster.placement, recipe.train.num_ranks, recipe.rollout.num_engines, rank_cpus,
+                     engine_gpus(recipe.rollout))
 
 
 def ensure_group(placement: Placement, timeout_s: float = 300.0) -> PlacementGroup:

@@ -1,4 +1,4 @@
-"""A fleet of built-in engines as Ray actors, the real sglang-router in front, and a
+"""A fleet of engines (built-in or SGLang, core/engine/launcher.py) owned by Ray actors, the real sglang-router in front, and a
 supervisor that keeps the engines alive for the whole stage.
 
 The caller owns Ray (ray.init() before Fleet.start). Generation goes through the router;
@@ -36,7 +36,8 @@ from milepost.core.engine.client import EngineClient
 from milepost.core.engine.http_guard import read_key_file
 from milepost.core.engine.retrying import RetryingClient
 from milepost.core.engine.router import Router
-from milepost.core.engine.supervisor import FleetError, FleetSupervisor, Slot
+from milepost.core.engine.launcher import EngineCommand, engine_command, engine_gpus
+from milepost.core.engine.supervisor import FleetError, FleetSupervisor, Slot, stop_actors
 from milepost.core.placement import Placement, actor_strategy, ensure_group, find_group
 
 if TYPE_CHECKING:  # the fleet does not depend on which transports exist
@@ -98,6 +99,7 @@ class Fleet:
         self.supervisor = FleetSupervisor(self, cfg)
         self.placement_group: Any = None  # core/placement.py: engine i runs on engine_bundles[i]
         self.engine_bundles: list[int] | None = None
+        self.colocated = False  # engines share the trainer's devices: SGLang gets --enable-memory-saver
 
     @classmethod
     def start(cls, model_path: str, num_engines: int, cfg: RolloutConfig, weight_version: str = "0",
@@ -111,8 +113,10 @@ class Fleet:
         fleet = cls(model_path, weight_version, cfg, host, log_dir, detached, on_change, admin_key_path)
         fleet.supervisor.load_delay_s = load_delay_s
         if placement is not None:
+            fleet.colocated = placement.mode == "colocated"
             fleet.placement_group = ensure_group(placement)
             fleet.engine_bundles = [placement.engine_bundle(i) for i in range(num_engines)]
+        fleet.engine_command(load_delay_s)  # refuses what the chosen engine cannot honour, before any launch
         fleet.clients = [None] * num_engines  # type: ignore[list-item]  # filled by admission
         fleet.engine_urls, fleet.actors = [""] * num_engines, [None] * num_engines
         try:
@@ -138,6 +142,7 @@ class Fleet:
         fleet = cls(path, str(version), cfg, doc.get("host"), doc["log_dir"], True, on_change, admin_key_path)
         if doc.get("engine_bundles") is not None:
             fleet.placement_group, fleet.engine_bundles = find_group(), list(doc["engine_bundles"])
+        fleet.colocated = bool(doc.get("colocated", False))
         slots = [fleet._adopted_slot(e, path, str(version)) for e in doc["engines"]]
         fleet.clients = [s.client for s in slots]
         fleet.engine_urls, fleet.actors = [s.url for s in slots], [s.actor for s in slots]
@@ -155,6 +160,7 @@ class Fleet:
                     engine["log_path"], path, version, self.engine_client(engine["url"]),
                     state="serving" if actor is not None else "dead", name=engine["name"])
         slot.reason = "" if actor is not None else f"actor {engine['name']} not found"
+        slot.version = engine.get("version", "")
         return slot
 
     def engine_client(self, url: str) -> EngineClient:
@@ -189,22 +195,33 @@ class Fleet:
         import uuid
         return {"name": f"{name}-{uuid.uuid4().hex[:8]}", "lifetime": "detached"}
 
+    def engine_command(self, load_delay_s: float = 0.0) -> EngineCommand:
+        """The launch template of this fleet's engines (core/engine/launcher.py): what every
+        engine actor resolves on its node and runs. It starts from the base weights; an
+        engine admitted later loads `served` (FleetSupervisor._admit)."""
+        return engine_command(self.cfg, self.base_model_path, self.base_weight_version, colocated=self.colocated,
+                              host=self.host, admin_key=self.admin_key_path is not None, load_delay_s=load_delay_s)
+
     def engine_placement(self, index: int) -> dict[str, Any]:
-        """Ray options putting engine `index` on its placement-group bundle (none without one)."""
+        """Ray options putting engine `index` on its placement-group bundle (none without one),
+        with the GPUs it takes there (SGLang TP=k: k; Ray then sets its CUDA_VISIBLE_DEVICES)."""
+        gpus = engine_gpus(self.cfg)
+        options: dict[str, Any] = {"num_gpus": gpus} if gpus else {}
         if self.engine_bundles is None:
-            return {}
-        return actor_strategy(self.placement_group, self.engine_bundles[index])
+            return options
+        return {**options, **actor_strategy(self.placement_group, self.engine_bundles[index])}
 
     def describe(self) -> dict[str, Any]:
         """What finds this (detached) fleet again: actor names, URLs, pids, served weights."""
         with self.lock:
             engines = [{"index": s.index, "generation": s.generation, "name": s.name, "url": s.url,
-                        "pid": s.pid, "log_path": s.log_path} for s in self.supervisor.slots]
+                        "pid": s.pid, "log_path": s.log_path, "version": s.version} for s in self.supervisor.slots]
             router = {"name": self.router_name,
                       "url": self.router_url, "pid": self.router_pid,
                       "log_path": self.router.log_path if self.router else None}
             return {"engines": engines, "router": router, "served": list(self.served),
-                    "log_dir": self.log_dir, "host": self.host, "engine_bundles": self.engine_bundles}
+                    "log_dir": self.log_dir, "host": self.host, "engine_bundles": self.engine_bundles,
+                    "colocated": self.colocated}
 
     def _changed(self) -> None:
         if self.on_change is not None:
@@ -268,9 +285,7 @@ class Fleet:
         if ray.is_initialized():  # else the actors went with Ray
             if self.router_actor is not None:
                 ray.kill(self.router_actor, no_restart=True)  # its router dies with its process
-            for s in self.supervisor.slots:
-                if s.actor is not None:
-                    ray.kill(s.actor, no_restart=True)
+            stop_actors([s.actor for s in self.supervisor.slots if s.actor is not None])
 
 
 FLEET_ACTOR_PREFIXES = ("engine-", "router-")  # actor_options names: engine-<i>.<gen>-<hex>, router-<hex>

@@ -68,6 +68,16 @@ def _ip_url(url: str) -> str:
     return urlunsplit((parts.scheme or "http", netloc, parts.path, "", "")).rstrip("/")
 
 
+def router_command(ip: str, port: int | str, prom_port: int | str, policy: str, worker_urls: list[str],
+                   python: str = sys.executable) -> list[str]:
+    """The sglang-router's command line (the dry run prints it with placeholders)."""
+    def word(v: int | str) -> str:
+        return v if isinstance(v, str) else str(v)  # a str subclass (a dry run's placeholder) stays itself
+    return [python, "-m", "sglang_router.launch_router", "--host", ip, "--port", word(port),
+            "--prometheus-host", ip, "--prometheus-port", word(prom_port), "--policy", policy,
+            *FAILURE_FLAGS, "--worker-urls", *worker_urls]
+
+
 class Router:
     """Handle on one router process. One owner starts and stops it; `add_worker` and
     `remove_worker` may run in the fleet supervisor's threads meanwhile: they only call the
@@ -90,9 +100,7 @@ class Router:
         port, prom_port = free_port(ip), free_port(ip)
         workers = [_ip_url(u) for u in worker_urls]
         log_path = log_path or os.path.join(tempfile.mkdtemp(prefix="milepost-router-"), "router.log")
-        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", ip, "--port", str(port),
-               "--prometheus-host", ip, "--prometheus-port", str(prom_port), "--policy", policy,
-               *FAILURE_FLAGS, "--worker-urls", *workers]
+        cmd = router_command(ip, port, prom_port, policy, workers)
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     preexec_fn=_die_with_parent)

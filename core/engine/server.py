@@ -582,24 +582,107 @@ def admin_key_from_args(key: str | None, key_file: str | None) -> str | None:
     return read_key_file(key_file) if key_file else (key or None)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description="milepost built-in rollout engine (SGLang protocol)")
-    ap.add_argument("--model-path", required=True)
+# SGLang launch flags the built-in engine cannot honour, with their only accepted value (the
+# launcher renders SGLang's flags for both engines: core/engine/launcher.py).
+REFUSED_FLAGS = {"tp_size": 1, "dp_size": 1, "ep_size": 1, "nnodes": 1, "node_rank": 0, "base_gpu_id": 0,
+                 "dist_init_addr": None, "mem_fraction_static": None, "nccl_port": None,
+                 "enable_return_routed_experts": False, "enable_deterministic_inference": False}
+LOAD_FAILED_EXIT = 3  # exit status of an engine whose model failed to load
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="milepost.core.engine.server",
+                                 description="milepost built-in rollout engine (SGLang protocol and launch flags)")
+    ap.add_argument("--model-path", "--model", required=True)
     ap.add_argument("--host", default="127.0.0.1", help="address to bind: loopback unless a cluster-internal "
                                                         "address is given (never 0.0.0.0 unless meant)")
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--weight-version", default="0")
-    ap.add_argument("--max-batch-size", type=int, default=512)
+    ap.add_argument("--max-running-requests", "--max-batch-size", dest="max_batch_size", type=int, default=512,
+                    help="most sequences decoded at once (SGLang's --max-running-requests)")
     ap.add_argument("--weight-update-timeout-s", type=float, default=300.0,
                     help="idle time after which a weight-update session is stale; also the "
                          "timeout of the weight-update group's rendezvous and broadcasts")
     ap.add_argument("--admin-api-key", default=None,
                     help="SGLang's flag: admin endpoints need `Authorization: Bearer KEY`. Visible in `ps`: "
-                         "prefer --admin-api-key-file")
+                         "prefer --config FILE.yaml (`admin_api_key: KEY`) or --admin-api-key-file")
     ap.add_argument("--admin-api-key-file", default=None, help="a file holding the admin key")
+    ap.add_argument("--config", default=None,
+                    help="a YAML file of flag values (SGLang's --config): `admin_api_key: KEY`, …; "
+                         "flags given on the command line win")
     ap.add_argument("--max-request-body-mb", type=float, default=DEFAULT_MAX_BODY_MB,
                     help="larger request bodies get 413")
-    a = ap.parse_args()
+    ap.add_argument("--load-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: a slow cold start
+    # SGLang's flags that need nothing here: the built-in engine never warms up, and always
+    # implements /release_memory_occupation and /resume_memory_occupation.
+    ap.add_argument("--skip-server-warmup", action="store_true", help="accepted (no warm-up here)")
+    ap.add_argument("--enable-memory-saver", action="store_true", help="accepted (memory release is always on)")
+    # SGLang's flags accepted only at their neutral value (REFUSED_FLAGS).
+    for flag, kind in (("--tp-size", int), ("--dp-size", int), ("--ep-size", int), ("--nnodes", int),
+                       ("--node-rank", int), ("--base-gpu-id", int), ("--dist-init-addr", str),
+                       ("--mem-fraction-static", float), ("--nccl-port", int)):
+        ap.add_argument(flag, type=kind, default=REFUSED_FLAGS[flag[2:].replace("-", "_")], help=argparse.SUPPRESS)
+    ap.add_argument("--enable-return-routed-experts", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--enable-deterministic-inference", action="store_true", help=argparse.SUPPRESS)
+    return ap
+
+
+def config_argv(path: str, ap: argparse.ArgumentParser) -> list[str]:
+    """The argv words of a --config YAML, as SGLang reads it (keys are flag names, `-` or `_`;
+    true adds a store_true flag, false leaves it out). A key this engine has no flag for is an error."""
+    import yaml
+
+    if not path.endswith((".yaml", ".yml")):
+        raise SystemExit(f"--config {path}: must be a .yaml or .yml file (as SGLang requires)")
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise SystemExit(f"--config {path}: must hold a mapping of flag names to values")
+    known = {opt: a for a in ap._actions for opt in a.option_strings}
+    words: list[str] = []
+    for key, value in data.items():
+        flag = "--" + str(key).replace("_", "-")
+        action = known.get(flag)
+        if action is None or flag in ("--config", "--help"):
+            raise SystemExit(f"--config {path}: unknown option {key!r} for the built-in engine")
+        if isinstance(action, argparse._StoreTrueAction):
+            words += [flag] if value else []
+        else:
+            words += [flag, str(value)]
+    return words
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse (with --config merged in, command line winning) and refuse what cannot be honoured."""
+    import sys
+
+    ap = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    first = ap.parse_args(argv)
+    a = ap.parse_args(config_argv(first.config, ap) + argv) if first.config else first
+    bad = [f"--{k.replace('_', '-')} {getattr(a, k)}" for k, neutral in REFUSED_FLAGS.items()
+           if getattr(a, k) != neutral]
+    if bad:
+        ap.error(f"the built-in engine cannot honour {', '.join(bad)}: it runs one process on one device "
+                 "without GPU memory management or MoE; launch SGLang for these (rollout.engine: sglang)")
+    return a
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
+    global load_engine
+    load = load_engine
+
+    def load_or_exit(sched: Scheduler) -> None:
+        # A failed load ends the process (exit LOAD_FAILED_EXIT) instead of answering 503
+        # forever: whoever owns the process sees it gone, with this line last in its log.
+        time.sleep(a.load_delay_s)
+        load(sched)
+        if sched.load_error:
+            print(f"model load failed: {sched.load_error}", flush=True)
+            os._exit(LOAD_FAILED_EXIT)
+
+    load_engine = load_or_exit
     serve(a.model_path, a.host, a.port, a.weight_version, a.max_batch_size, a.weight_update_timeout_s,
           admin_key_from_args(a.admin_api_key, a.admin_api_key_file), a.max_request_body_mb)
 

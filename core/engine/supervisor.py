@@ -2,11 +2,13 @@
 
 Life of one engine position i (a `Slot` per incarnation):
 
-    starting ──first /health_generate 200──► serving ──process gone, or N failed checks──► dead
+    starting ──first /health_generate 200, admission probe──► serving ──process gone, or N failed checks──► dead
        │  (only rollout.engine_startup_timeout_s applies: a warming engine is never killed)  │
        └──────────── start-up timeout, process gone ──────────────────────────────────────► dead
-    dead ──► DELETE it from the router, ray.kill its actor, launch a new actor (new pid, new
-             port) ──► starting ──► on its first healthy answer: load the weights the fleet
+    dead ──► DELETE it from the router, stop its actor (engine process group first), launch a
+             new actor (new pid, new port) ──► starting ──► on its first healthy answer: read
+             its version and routes once (admission.py: a build lacking a route milepost
+             drives fails the fleet at once, naming what is missing), load the weights the fleet
              serves now (`fleet.served`), install its client in `fleet.clients[i]`, POST it to
              the router and wait until GET /workers lists it healthy ──► serving
 
@@ -27,7 +29,10 @@ import ray
 
 from milepost.core.config import RolloutConfig
 from milepost.core.engine.actor import EngineActor
+from milepost.core.engine.admission import EngineRefused, probe_engine
 from milepost.core.engine.client import EngineClient
+
+LOAD_FAILED_EXIT = 3  # the built-in engine's exit status when its model fails to load (server.py)
 
 if TYPE_CHECKING:
     from milepost.core.engine.fleet import Fleet
@@ -37,6 +42,22 @@ log = logging.getLogger(__name__)
 
 class FleetError(RuntimeError):
     pass
+
+
+def stop_actors(actors: list[Any], timeout_s: float = 15.0) -> None:
+    """Stop engine actors: each stops its engine's process group (SIGTERM, then SIGKILL),
+    then the actor is killed. An actor that does not answer in time is killed anyway (its
+    engine then dies by PR_SET_PDEATHSIG)."""
+    refs = []
+    for actor in actors:
+        try:
+            refs.append(actor.stop.remote())
+        except Exception:  # noqa: BLE001 - an actor already gone
+            pass
+    if refs:
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    for actor in actors:
+        ray.kill(actor, no_restart=True)
 
 
 def log_tail(path: str, num_lines: int = 20) -> str:
@@ -71,6 +92,7 @@ class Slot:
     reason: str = ""
     timings: dict[str, float] = field(default_factory=dict)
     name: str = ""  # the actor's Ray name when the fleet is detached, else ""
+    version: str = ""  # the engine build, read at admission (core/engine/admission.py)
 
 
 class FleetSupervisor:
@@ -207,20 +229,33 @@ class FleetSupervisor:
         return None
 
     def _gone(self, slot: Slot) -> str | None:
-        """Why the engine's process or server thread is gone, or None if both live."""
+        """Why the engine's process (or its owning actor) is gone, or None if it runs."""
         try:
             status = ray.get(slot.actor.status.remote(), timeout=10)
         except ray.exceptions.GetTimeoutError:
             return None  # a slow actor is not a dead one: the health checks decide
         except Exception as e:  # noqa: BLE001 - any Ray error here means the actor is gone
             return f"process {slot.pid} gone ({type(e).__name__})"
-        if status.get("load_error"):
-            return f"model load failed: {status['load_error']}"
-        return None if status["server_alive"] else f"server thread of pid {slot.pid} exited"
+        if status["alive"]:
+            return None
+        last = log_tail(slot.log_path, 1)
+        if status.get("exit_code") == LOAD_FAILED_EXIT and "model load failed" in last:
+            return last  # the built-in engine's own line: "model load failed: …"
+        return f"engine process {slot.pid} exited with status {status.get('exit_code')}; last log line: {last}"
 
     def _admit(self, slot: Slot) -> str | None:
         """First healthy answer: current weights, client installed, router registration."""
         slot.timings["healthy"] = time.monotonic()
+        try:
+            slot.version = probe_engine(slot.url, self.cfg.engine, self.fleet._admin_key).version
+        except EngineRefused as e:  # a build without what milepost drives: restarting it cannot help
+            with self._lock:
+                slot.state, slot.reason = "dead", str(e)
+                if self.error is None:
+                    self.error = FleetError(f"engine {slot.index} refused at admission: {e}")
+            return None
+        except Exception as e:  # noqa: BLE001 - an engine that cannot answer the probe is not ready
+            return f"admission probe failed: {type(e).__name__}: {e}"
         try:
             with self.fleet.lock:
                 path, version = self.fleet.served
@@ -281,15 +316,14 @@ class FleetSupervisor:
             except Exception as e:  # noqa: BLE001 - a router problem shows in the next requests
                 log.warning("could not remove %s from the router: %s", slot.url, e)
         if slot.actor is not None:  # None: an adopted engine whose actor was already gone
-            ray.kill(slot.actor, no_restart=True)
+            stop_actors([slot.actor])
 
     def _launch_remote(self, index: int, generation: int) -> tuple[int, int, Any, str, Any, str]:
         log_path = f"{self.fleet.log_dir}/engine-{index}.{generation}.log"
         options = {**self.fleet.actor_options(f"engine-{index}.{generation}"), **self.fleet.engine_placement(index)}
         actor = EngineActor.options(**options).remote(log_path)
-        path, version = self.fleet.base_model_path, self.fleet.base_weight_version
-        ref = actor.launch.remote(path, version, self.cfg.max_batch_size, self.fleet.host, self.load_delay_s,
-                                  self.fleet.admin_key_path)
+        command = self.fleet.engine_command(self.load_delay_s)
+        ref = actor.launch.remote(command, self.fleet.admin_key_path)
         return index, generation, actor, log_path, ref, options.get("name", "")
 
     def _finish_launch(self, index: int, generation: int, actor: Any, log_path: str, ref: Any,

@@ -85,7 +85,7 @@ def _kill_mid_rollout(fleet: Fleet, victims: list[int]) -> tuple[list[Sample], b
     the kill's time.monotonic()."""
     rollout, box = _start_rollout(fleet)
     _wait_busy(fleet.engine_urls[victims[0]], rollout)
-    pids = [ray.get(fleet.actors[i].pid.remote()) for i in victims]  # the actor process IS the engine
+    pids = [ray.get(fleet.actors[i].pid.remote()) for i in victims]  # the engine process the actor launched
     running, killed_at = rollout.is_alive(), time.monotonic()
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
