@@ -53,7 +53,7 @@ class EngineClient:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self._http = httpx.Client(timeout=timeout_s, headers=bearer_header(admin_key) if admin_key else None)
-        self._takes_push_id: bool | None = None  # /server_info's `accepts_push_id`, asked once
+        self._server_info: dict[str, Any] | None = None  # asked once, for the extensions it announces
 
     def _call(self, method: str, endpoint: str, body: dict[str, Any] | None = None,
               timeout_s: float | None = None) -> Any:
@@ -72,9 +72,10 @@ class EngineClient:
         return self._call("POST", endpoint, body, timeout_s)
 
     def generate(self, input_ids: list[int] | list[list[int]] | None = None,
-                 sampling_params: dict[str, Any] | None = None, return_logprob: bool = False,
+                 sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None, return_logprob: bool = False,
                  text: str | list[str] | None = None, timeout_s: float | None = None, **extra: Any) -> Any:
-        """POST /generate; returns the parsed JSON (a list for batched input or n > 1)."""
+        """POST /generate; returns the parsed JSON (a list for batched input or n > 1).
+        `sampling_params`: one object for every input, or a list with one per input."""
         body: dict[str, Any] = {"sampling_params": sampling_params or {}, "return_logprob": return_logprob, **extra}
         if input_ids is not None:
             body["input_ids"] = input_ids
@@ -99,9 +100,11 @@ class EngineClient:
         return self._control("/begin_weight_update", {"selector": selector}, timeout_s)
 
     def end_weight_update(self, abort: bool = False, timeout_s: float | None = None) -> dict[str, Any]:
-        """Close the session. `abort`: the built-in engine discards what the session staged
-        (SGLang, which loads each bucket at once, has nothing to discard and ignores it)."""
-        return self._control("/end_weight_update", {"abort": True} if abort else {}, timeout_s)
+        """Close the session. `abort` (milepost's extension, sent only to an engine whose
+        /server_info announces `end_weight_update_abort`): the built-in engine discards what
+        the session staged. SGLang loads each bucket at once: it has nothing to discard."""
+        body = {"abort": True} if abort and self._announces("end_weight_update_abort", timeout_s) else {}
+        return self._control("/end_weight_update", body, timeout_s)
 
     def update_weights_from_tensor(self, serialized_named_tensors: list[str],
                                    load_format: str | None = "flattened_bucket", flush_cache: bool = True,
@@ -154,9 +157,13 @@ class EngineClient:
         SGLang would ignore the field, but extensions go only where announced), else {}."""
         if push_id is None:
             return {}
-        if self._takes_push_id is None:
-            self._takes_push_id = bool(self.server_info(timeout_s).get("accepts_push_id", False))
-        return {"push_id": push_id} if self._takes_push_id else {}
+        return {"push_id": push_id} if self._announces("accepts_push_id", timeout_s) else {}
+
+    def _announces(self, extension: str, timeout_s: float | None) -> bool:
+        """Whether the engine's /server_info announces milepost's `extension` (asked once)."""
+        if self._server_info is None:
+            self._server_info = self.server_info(timeout_s)
+        return bool(self._server_info.get(extension, False))
 
     def flush_cache(self, timeout_s: float | None = None) -> str:
         """POST /flush_cache until it answers 200; returns its text. SGLang answers plain

@@ -555,7 +555,8 @@ def create_app(sched: Scheduler) -> FastAPI:
                 "tp_size": 1, "device": "cpu",  # the weight-update group: gloo (groups.choose_backend)
                 "weight_version": sched.weight_version, "max_batch_size": sched.max_batch_size,
                 "max_gloo_streams": MAX_GLOO_STREAMS,  # /init_weights_update_group takes `gloo_streams`
-                "accepts_push_id": True}  # /pause_generation and /continue_generation take `push_id`
+                "accepts_push_id": True,  # /pause_generation and /continue_generation take `push_id`
+                "end_weight_update_abort": True}  # /end_weight_update takes `abort` (discards the session)
 
     @app.get("/get_load")
     async def get_load() -> Any:

@@ -204,3 +204,20 @@ def test_flush_cache_is_plain_text_retried_until_200(engine) -> None:
         engine.continue_generation()
         t.join(60)
     assert box and box[0]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_seed_rule_as_sglang(engine) -> None:
+    """n > 1 copies the params into every sample (SGLang): one seed gives n identical samples
+    (as SGLang with --enable-deterministic-inference). Distinct reproducible samples come
+    from one input per sample with its own seed: a `sampling_params` list, one per input,
+    or one request per seed (what the rollout sends through sglang-router)."""
+    sp = {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True}
+    same = engine.generate([[3, 4, 5]], dict(sp, n=3, sampling_seed=11))
+    assert len({tuple(o["output_ids"]) for o in same}) == 1
+    listed = engine.generate([[3, 4, 5]] * 3, [dict(sp, sampling_seed=11 + j) for j in range(3)])
+    one_each = [engine.generate([[3, 4, 5]], dict(sp, sampling_seed=11 + j))[0] for j in range(3)]
+    assert [o["output_ids"] for o in listed] == [o["output_ids"] for o in one_each]
+    assert listed[0]["output_ids"] == same[0]["output_ids"] and len({tuple(o["output_ids"]) for o in listed}) > 1
+    with pytest.raises(EngineError) as err:
+        engine.generate([[3, 4, 5]] * 2, [sp])
+    assert err.value.status == 400 and "one object per input" in err.value.message

@@ -1,0 +1,159 @@
+"""SGLang's own code, imported on CPU, as the oracle of the conformance tests.
+
+SGLang 0.5.23 cannot run here (CUDA 13, sglang-kernel), but the pieces of its protocol are
+Python and import on CPU when installed with `pip install --no-deps sglang==0.5.23` plus
+`pybase64 pyzmq pillow` (the test extra; `.ci/run` installs both). What is imported, and
+what had to be worked around (nothing else is stubbed or changed):
+
+- `sglang/__init__.py` is NOT run: it imports the frontend language, transformers patches
+  and, through `sglang.srt.utils.common`, triton. The package is registered as a bare
+  namespace (its folder as `__path__`), so `sglang.srt.…` modules load from the wheel's
+  files as they are.
+- `triton` is stubbed (an empty module) only while `sglang.srt.utils.common` is imported,
+  and removed again: common.py uses triton only inside two kernel-caching helpers
+  (`CachedKernel`, `cached_triton_kernel`) that nothing here calls. Left in place, the stub
+  would make torch._dynamo and transformers believe triton is installed.
+- `sglang.srt.managers.schedule_batch` is stubbed: io_struct imports five names from it,
+  and the real module pulls the model layers (MoE runners, DeepGEMM, triton kernels). The
+  stub holds `Modality` (the real one, sglang.srt.multimodal.modality), the two type
+  aliases copied verbatim (`ReturnHiddenStatesMode`, `SamplingLogprobsMode`,
+  schedule_batch.py:179-180), `get_return_hidden_states_mode` with the real validation
+  but returning names instead of `CaptureHiddenMode` members (schedule_batch.py:183), and
+  an empty `MultimodalProcessorOutput` struct (only in annotations of scheduler-side
+  requests, never built here).
+
+Real SGLang code used as the oracle: `init_custom_process_group` and
+`MultiprocessingSerializer` (srt/utils/common.py), `FlattenedTensorBucket`
+(srt/weight_sync/tensor_bucket.py), the request classes of srt/managers/io_struct.py
+validated exactly as the HTTP server does (pydantic, FastAPI's Body), and
+`generate_contract_error` (srt/entrypoints/api_contract.py), the /generate schema gate.
+
+Run as a script, it is an engine's side of the weight-update group built by SGLang's own
+`init_custom_process_group` (see `main`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import types
+from typing import Any, Literal, Union
+
+SGLANG_VERSION = "0.5.23"
+INSTALL = (f"pip install --no-deps sglang=={SGLANG_VERSION} && pip install -e '.[test]' "
+           "(pybase64, pyzmq, pillow); .ci/run does both")
+
+
+class SGLangMissing(RuntimeError):
+    pass
+
+
+def load() -> types.SimpleNamespace:
+    """The oracle's pieces; SGLangMissing (a failure, never a skip) if SGLang is absent."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        found = version("sglang")
+    except PackageNotFoundError:
+        raise SGLangMissing(f"SGLang {SGLANG_VERSION} is not installed, so the conformance tests have no "
+                            f"oracle: {INSTALL}") from None
+    if found != SGLANG_VERSION:
+        raise SGLangMissing(f"SGLang {found} is installed; the protocol was read from {SGLANG_VERSION}: {INSTALL}")
+    if "sglang.srt.managers.io_struct" not in sys.modules:
+        _import_pieces()
+    from sglang.srt.entrypoints.api_contract import generate_contract_error
+    from sglang.srt.managers import io_struct
+    from sglang.srt.utils.common import MultiprocessingSerializer, init_custom_process_group
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+    return types.SimpleNamespace(io_struct=io_struct, generate_contract_error=generate_contract_error,
+                                 MultiprocessingSerializer=MultiprocessingSerializer,
+                                 init_custom_process_group=init_custom_process_group,
+                                 FlattenedTensorBucket=FlattenedTensorBucket)
+
+
+def _import_pieces() -> None:
+    spec = importlib.util.find_spec("sglang")  # a top-level spec runs no code
+    assert spec is not None and spec.submodule_search_locations
+    if "sglang" not in sys.modules:
+        pkg = types.ModuleType("sglang")
+        pkg.__path__ = list(spec.submodule_search_locations)
+        pkg.__file__ = spec.origin
+        sys.modules["sglang"] = pkg  # sglang/__init__.py is not run (module docstring)
+    # import these first, while no triton stub exists, so they see the truth
+    import torch._dynamo  # noqa: F401
+    import transformers.models.auto.image_processing_auto  # noqa: F401
+    import transformers.models.auto.processing_auto  # noqa: F401
+    had_triton = "triton" in sys.modules
+    if not had_triton:
+        sys.modules["triton"] = types.ModuleType("triton")
+    try:
+        importlib.import_module("sglang.srt.utils.common")
+    finally:
+        if not had_triton:
+            del sys.modules["triton"]
+    sys.modules["sglang.srt.managers.schedule_batch"] = _schedule_batch_stub()
+    importlib.import_module("sglang.srt.managers.io_struct")
+
+
+def _schedule_batch_stub() -> types.ModuleType:
+    import msgspec
+    from sglang.srt.multimodal.modality import Modality
+
+    stub = types.ModuleType("sglang.srt.managers.schedule_batch")
+
+    class MultimodalProcessorOutput(msgspec.Struct, kw_only=True):
+        """Stub: only named in annotations of scheduler-side requests."""
+
+    def get_return_hidden_states_mode(return_hidden_states: Any) -> str:
+        """schedule_batch.py:183, returning names for CaptureHiddenMode members."""
+        if return_hidden_states is True:
+            return "FULL"
+        if return_hidden_states == "last":
+            return "LAST"
+        if return_hidden_states is False:
+            return "NULL"
+        raise ValueError("return_hidden_states must be a boolean or the string literal 'last'.")
+
+    stub.Modality, stub.MultimodalProcessorOutput = Modality, MultimodalProcessorOutput
+    stub.ReturnHiddenStatesMode = Union[bool, Literal["last"]]
+    stub.SamplingLogprobsMode = Literal["selected", "support"]
+    stub.get_return_hidden_states_mode = get_return_hidden_states_mode
+    return stub
+
+
+def request(sgl: types.SimpleNamespace, cls_name: str, body: dict[str, Any]) -> Any:
+    """`body` (JSON) parsed into SGLang's request class as its HTTP server parses it
+    (FastAPI Body → pydantic; for the msgspec requests, SGLang's own
+    msgspec_struct_pydantic_core_schema). Raises pydantic's ValidationError if it does not fit."""
+    import json
+
+    import pydantic
+    return pydantic.TypeAdapter(getattr(sgl.io_struct, cls_name)).validate_json(json.dumps(body))
+
+
+def main() -> None:
+    """python sglang_oracle.py HOST PORT RANK WORLD GROUP OUT: join the group with SGLang's
+    `init_custom_process_group` (gloo), receive one broadcast of the tensors described in
+    OUT.specs.json from rank 0, save them to OUT (torch.save)."""
+    import datetime
+    import json
+
+    import torch
+    import torch.distributed as dist
+    host, port, rank, world, group, out = sys.argv[1:7]
+    sgl = load()
+    pg = sgl.init_custom_process_group(backend="gloo", init_method=f"tcp://{host}:{port}", world_size=int(world),
+                                       rank=int(rank), group_name=group, timeout=datetime.timedelta(seconds=60))
+    with open(out + ".specs.json") as f:
+        specs = json.load(f)
+    received = {}
+    for s in specs:  # as SGLang's update_weights_from_distributed: one broadcast per tensor, src 0
+        t = torch.empty(s["shape"], dtype=getattr(torch, s["dtype"]))
+        dist.broadcast(t, src=0, group=pg)
+        received[s["name"]] = t
+    torch.save(received, out)
+    dist.destroy_process_group(pg)
+
+
+if __name__ == "__main__":
+    main()
