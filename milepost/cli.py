@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.add_argument("--resume", action="store_true",
                      help="resume a campaign paused by its regression gate or a stop request")
+    run.add_argument("--dry-run", action="store_true",
+                     help="print every stage's job and the exact engine and router commands, then exit "
+                          "without starting anything or writing the campaign store")
     status = sub.add_parser("status", help="show a campaign's blocks, evals and latest checkpoint")
     status.add_argument("campaign", help="campaign store URL or folder")
     status.add_argument("--json", action="store_true", help="machine-readable output")
@@ -66,6 +69,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     try:  # every check runs before prepare_campaign writes the store: bad input writes nothing
         recipe = load_recipe(args.recipe, args.overrides)
         campaign_url = args.campaign or str(Path("runs") / Path(args.recipe).stem)
+        if args.dry_run:
+            from milepost.tasks.dry_run import check_campaign_path, dry_run_report
+
+            check_campaign_path(campaign_url)
+            print(dry_run_report(recipe, args.recipe, campaign_url), end="")
+            return EXIT_OK
         prepared = prepare_campaign(recipe, campaign_url)
     except ValueError as e:  # UserError and the ValueErrors of pydantic-free checks
         return _bad_input(e)

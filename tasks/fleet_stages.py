@@ -50,6 +50,7 @@ def rollout(ctx: StageContext) -> dict[str, Any]:
     return {"engine_urls": list(fleet.engine_urls), "router_url": fleet.router_url, "policy_version": version,
             "model_path": model_path, "engine_pids": [e["pid"] for e in doc["engines"]],
             "engine_names": [e["name"] for e in doc["engines"]], "router_name": doc["router"]["name"],
+            "engine": ctx.recipe.rollout.engine, "engine_versions": [e["version"] for e in doc["engines"]],
             "router_pid": doc["router"]["pid"]}
 
 

@@ -4,15 +4,16 @@ shell round trip, what the built-in engine refuses, and SGLang's own argument pa
 Regenerate the golden files after an intended change with
 `MILEPOST_UPDATE_GOLDEN=1 pytest tests/unit/test_engine_launcher.py` and review their diff.
 
-SGLang's parser: sglang 0.5.23 cannot be installed on CPU machines, but its Python source
-imports far enough to build its argument parser. Point MILEPOST_SGLANG_PYTHONPATH at an
-unpacked wheel plus the few packages `sglang.srt.server_args` imports, e.g.
+SGLang's parser: sglang 0.5.23 cannot run on CPU machines, but its Python source imports far
+enough to build its argument parser (`ServerArgs.add_cli_args`) and to merge a --config file
+(`ConfigArgumentMerger`). The test uses the installed wheel (`.ci/run`: `pip install
+--no-deps sglang==0.5.23` and the test extra), or an unpacked one on MILEPOST_SGLANG_PYTHONPATH:
 
     pip download --no-deps sglang==0.5.23 -d /tmp/sgl && python -m zipfile -e /tmp/sgl/sglang-*.whl /tmp/sglx
-    pip install --no-deps --target /tmp/sgldeps pybase64 triton pillow pyzmq IPython traitlets
+    pip install --no-deps --target /tmp/sgldeps pybase64 pillow pyzmq
     MILEPOST_SGLANG_PYTHONPATH=/tmp/sglx:/tmp/sgldeps pytest tests/unit/test_engine_launcher.py
 
-(or have `sglang` importable); otherwise that test is skipped, saying so.
+Without either it fails, naming the install (as the conformance tests do).
 """
 
 from __future__ import annotations
@@ -123,7 +124,16 @@ def test_builtin_server_parses_its_launch_command(tmp_path) -> None:
 
 
 SGLANG_PARSE = r"""
-import argparse, json, sys
+import argparse, importlib.util, json, sys, types
+# As tests/integration/sglang_oracle.py: sglang/__init__.py is not run (it imports the
+# frontend and, through srt/utils/common.py, triton); the package is a bare namespace and
+# triton an empty module while common.py imports (it uses triton only in kernel helpers that
+# argument parsing never calls). The parser and the --config merger are SGLang's, unchanged.
+spec = importlib.util.find_spec("sglang")
+pkg = types.ModuleType("sglang"); pkg.__path__ = list(spec.submodule_search_locations); pkg.__file__ = spec.origin
+sys.modules["sglang"] = pkg
+if importlib.util.find_spec("triton") is None:
+    sys.modules["triton"] = types.ModuleType("triton")
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
 parser = argparse.ArgumentParser()
@@ -136,22 +146,27 @@ print(json.dumps({k: v for k, v in vars(parser.parse_args(argv)).items()
 """
 
 
-def _sglang_pythonpath() -> str | None:
+def _sglang_env() -> dict[str, str]:
+    """The environment whose Python imports SGLang 0.5.23's source: the installed wheel
+    (`.ci/run`: pip install --no-deps sglang==0.5.23 plus the test extra), or an unpacked
+    one on MILEPOST_SGLANG_PYTHONPATH (module docstring)."""
     extra = os.environ.get("MILEPOST_SGLANG_PYTHONPATH")
-    env = {**os.environ, "PYTHONPATH": extra or ""}
-    probe = subprocess.run([sys.executable, "-c", "import sglang.srt.server_args"], env=env,
-                           capture_output=True, text=True, timeout=300)
-    return (extra or "") if probe.returncode == 0 else None
+    env = {**os.environ, **({"PYTHONPATH": extra} if extra else {})}
+    probe = subprocess.run([sys.executable, "-c", "import importlib.util as u; print(u.find_spec('sglang').origin)"],
+                           env=env, capture_output=True, text=True, timeout=120)
+    if probe.returncode != 0:
+        pytest.fail("SGLang 0.5.23's source is not importable, so its own parser cannot check the launch "
+                    "command: pip install --no-deps sglang==0.5.23 (as .ci/run does), or set "
+                    "MILEPOST_SGLANG_PYTHONPATH (module docstring)")
+    return env
 
 
 def test_sglang_own_parser_reads_the_rendered_command(tmp_path) -> None:
-    path = _sglang_pythonpath()
-    if path is None:
-        pytest.skip("sglang.srt.server_args does not import here: set MILEPOST_SGLANG_PYTHONPATH (module docstring)")
+    env = _sglang_env()
     config = write_admin_config("s3cret key", str(tmp_path / "private"))
     cmd = sglang_command().resolve(config_path=config)
     reply = subprocess.run([sys.executable, "-c", SGLANG_PARSE, json.dumps(cmd.argv()[3:])],
-                           env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True, timeout=300)
+                           env=env, capture_output=True, text=True, timeout=300)
     assert reply.returncode == 0, reply.stderr[-3000:]
     a = json.loads(reply.stdout.strip().splitlines()[-1])
     assert (a["model_path"], a["host"], a["port"], a["nccl_port"]) == (HOSTILE, "10.1.2.3", 30001, 30002)
