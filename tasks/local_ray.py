@@ -101,12 +101,14 @@ def _owned(pid: int, created_at: float | None) -> psutil.Process | None:
 
 def _is_fleet_process(proc: psutil.Process) -> bool:
     """A guard on a recorded engine/router pid (which may have been reused since): it must
-    still look like a Ray worker or a router. Found by pid first, this only vetoes."""
+    still look like a Ray worker, an engine process (core/engine/launcher.py's modules) or a
+    router. Found by pid first, this only vetoes."""
     try:
         cmdline = " ".join(proc.cmdline())
     except psutil.Error:
         return False
-    return cmdline.startswith("ray::") or "sglang_router" in cmdline or "default_worker.py" in cmdline
+    return (cmdline.startswith("ray::") or "default_worker.py" in cmdline
+            or any(m in cmdline for m in ("sglang_router", "sglang.launch_server", "milepost.core.engine.server")))
 
 
 def collect(pids: list[tuple[int, float]], temp_dir: str | None, extra_pids: list[int],

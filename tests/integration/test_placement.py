@@ -19,7 +19,8 @@ from tinymodels import save_tiny_qwen2
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
     path = save_tiny_qwen2(tmp_path_factory.mktemp("placement") / "m", 0)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # 4 logical GPUs (no device behind them): Ray accounts and assigns them like real ones.
+    ray.init(num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False)
     yield path
     ray.shutdown()
 
@@ -62,3 +63,38 @@ def test_a_placement_the_cluster_cannot_hold_is_refused_with_the_numbers(model) 
         ensure_group(too_many, timeout_s=3)
     assert "Fewer ranks/engines" in str(refused.value)
     assert find_group() is None  # the infeasible group was removed, nothing left behind
+
+
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = [item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item]
+    return {k.decode(): v.decode() for k, v in pairs}
+
+
+def test_sglang_engines_get_gpu_bundles_and_their_devices(model, tmp_path) -> None:
+    """rollout.engine: sglang with TP 2: each engine's bundle holds 2 GPUs, its actor takes
+    them (the fleet's own Ray options), and the engine process it launches sees exactly
+    those 2 devices in CUDA_VISIBLE_DEVICES (so `--base-gpu-id 0` is its first). The process
+    launched is the built-in engine (SGLang cannot run here), through the same actor."""
+    from milepost.core.engine.actor import EngineActor
+    from milepost.core.engine.launcher import engine_command, engine_gpus
+
+    cfg = RolloutConfig(engine="sglang", engine_tensor_parallel=2, num_engines=2)
+    placement = Placement("disaggregated", num_ranks=0, num_engines=2, rank_cpus=RANK_NUM_CPUS,
+                          engine_gpus=engine_gpus(cfg))
+    assert placement.bundles() == [{"CPU": ENGINE_CPUS, "GPU": 2.0}] * 2
+    fleet = Fleet(model, "0", cfg, "127.0.0.1", log_dir=str(tmp_path))  # not started: its options only
+    fleet.placement_group = ensure_group(placement)
+    fleet.engine_bundles = [placement.engine_bundle(i) for i in range(2)]
+    builtin = engine_command(RolloutConfig(), model, "0", colocated=False, host="127.0.0.1")
+    actors = [EngineActor.options(**fleet.engine_placement(i)).remote(str(tmp_path / f"e{i}.log")) for i in range(2)]
+    try:
+        assert all(fleet.engine_placement(i)["num_gpus"] == 2 for i in range(2))
+        pids = [ray.get(a.launch.remote(builtin), timeout=120)[1] for a in actors]
+        devices = [_environ(pid)["CUDA_VISIBLE_DEVICES"].split(",") for pid in pids]
+        assert [len(d) for d in devices] == [2, 2] and not set(devices[0]) & set(devices[1]), devices
+    finally:
+        for a in actors:
+            ray.get(a.stop.remote(), timeout=30)
+            ray.kill(a, no_restart=True)
+        remove_placement_group(fleet.placement_group)
