@@ -14,7 +14,8 @@ weights served), so the caller can keep its record current. Such a fleet dies wi
 cluster, or by `stop()`; `detach()` leaves it running.
 
 Admin key: `admin_key_path` names a file holding the engines' admin key (the campaign's
-secret, core/secrets.py). Engines read it from there (never from argv), the fleet's engine
+secret, core/secrets.py). Each engine actor reads it and hands it to its engine in an
+owner-only `--config` YAML (never on argv; core/engine/launcher.py), the fleet's engine
 clients send it, the router's client does not; `describe()` (the record) holds neither key
 nor path.
 """
