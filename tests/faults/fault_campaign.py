@@ -189,3 +189,21 @@ def wait_until(condition, proc: subprocess.Popen | None, timeout_s: float, what:
             return False
         time.sleep(poll_s)
     return True
+
+
+def checkpoint_model_shas(campaign: Path) -> dict[int, str]:
+    """{step: sha256 of the checkpoint's HF weights file}, from each committed MANIFEST.json."""
+    shas = {}
+    for manifest in campaign.glob("checkpoints/*/MANIFEST.json"):
+        try:
+            files = json.loads(manifest.read_text())["files"]
+            shas[int(manifest.parent.name)] = files["hf/model.safetensors"]["sha256"]
+        except (OSError, ValueError, KeyError):
+            pass
+    return shas
+
+
+def first_divergent_step(campaign: Path, reference: Path) -> int | None:
+    """The first step whose checkpointed weights differ from the reference's (None: none do)."""
+    mine, ref = checkpoint_model_shas(campaign), checkpoint_model_shas(reference)
+    return next((s for s in sorted(set(mine) & set(ref)) if mine[s] != ref[s]), None)

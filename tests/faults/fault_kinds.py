@@ -393,10 +393,11 @@ def write_results(results: list[Result], path: Path, csv_path: Path, header: str
                      f"{f'{sum(shas)}/{len(shas)}' if shas else '-'} | {sum(not r.ok for r in rs)} |")
     bad = [r for r in results if not r.ok]
     if bad:
-        lines += ["", "Runs that failed a check:", ""]
+        lines += ["", "Runs that failed a check (for a sha mismatch: the first step whose checkpointed weights"
+                  " differ from the reference's, and the steps recorded when the kill came):", ""]
         lines += [f"- {r.kind}/{r.mode} seed {r.seed} at {r.anchor}+{r.delay_s}s: killed {r.killed or 'nothing'}; "
                   f"resumed {r.resumed}, lost {r.lost}, repeated {r.repeated}, steps ok {r.steps_ok}, "
-                  f"sha equal {r.sha_equal}; {r.problem} (log {r.log})" for r in bad]
+                  f"sha equal {r.sha_equal}{_divergence(r)}; {r.problem} (log {r.log})" for r in bad]
     lines += ["", f"Per-run rows (seed, kill moment, what was killed, wall time): `{csv_path.name}`.", "",
               f"total: {len(results)} runs, {sum(r.resumed for r in results)} resumed, "
               f"{sum(r.lost for r in results)} lost, {sum(r.repeated for r in results)} repeated"]
@@ -411,6 +412,14 @@ def write_results(results: list[Result], path: Path, csv_path: Path, header: str
             row = r.row()
             row["exit_codes"] = " ".join(map(str, r.exit_codes))
             w.writerow(row)
+
+
+def _divergence(r: Result) -> str:
+    if r.sha_equal is not False or not r.log.endswith(".log"):
+        return ""
+    campaign = Path(r.log[:-len(".log")])
+    step = cp.first_divergent_step(campaign, campaign.parent / f"reference-{r.mode}-{r.executor}")
+    return f" (weights first differ at step {step}; kill after {r.killed_at_step} step(s) recorded)"
 
 
 def load_results(csv_path: Path) -> list[Result]:
