@@ -31,6 +31,7 @@ def pytest_addoption(parser):
     group.addoption("--soak-steps", type=int, default=2, help="steps of each run's block (default 2)")
     group.addoption("--soak-resume", action="store_true", default=False,
                     help="keep the runs tests/faults/results.csv holds, run only the others")
+    group.addoption("--soak-kinds", default=None, help="comma-separated fault kinds (default: all)")
     group.addoption("--soak-seed", type=int, default=1, help="first seed of each cell (default 1)")
 
 

@@ -55,9 +55,10 @@ def test_fault_is_recovered(kind, mode, seed, anchor, fault_root, fault_cache, f
     assert r.ok, _explain(r)
 
 
-def soak_plans(num_runs: int, shape: cp.Shape, first_seed: int) -> list[faults.Plan]:
+def soak_plans(num_runs: int, shape: cp.Shape, first_seed: int, kinds: tuple[str, ...] = faults.KINDS
+               ) -> list[faults.Plan]:
     """Round-robin over every (kind, mode) cell, so that any prefix covers the matrix evenly."""
-    cells = [(k, m) for k in faults.KINDS for m in cp.MODES]
+    cells = [(k, m) for k in kinds for m in cp.MODES]
     return [faults.plan(*cells[i % len(cells)], first_seed + i // len(cells), shape) for i in range(num_runs)]
 
 
@@ -75,7 +76,8 @@ def test_soak(request, fault_root, fault_cache, fault_shape, references):
     config = request.config
     if not option(config, "--soak", False):
         pytest.skip("the soak runs with --soak")
-    all_plans = soak_plans(option(config, "--soak-runs", 60), fault_shape, option(config, "--soak-seed", 1))
+    kinds = tuple((option(config, "--soak-kinds") or ",".join(faults.KINDS)).split(","))
+    all_plans = soak_plans(option(config, "--soak-runs", 60), fault_shape, option(config, "--soak-seed", 1), kinds)
     plans = all_plans
     workers = option(config, "--soak-workers", 1)
     deadline = _deadline(option(config, "--soak-deadline"))
