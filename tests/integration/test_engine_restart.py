@@ -226,3 +226,35 @@ def test_admin_key_reaches_restarted_engines_and_no_record_or_log(ray_session, m
     assert len(logs) >= 3  # two engine incarnations and the router
     for text in docs + logs + [caplog.text]:
         assert key not in text and str(key_path) not in text
+
+
+def _gone(pid: int, timeout_s: float = 30.0) -> bool:
+    """True once `pid` is gone (or a zombie waiting for its parent)."""
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_the_engine_process_dies_with_its_actor(ray_session, models, tmp_path) -> None:
+    """The actor owns its engine: a killed actor's engine dies (PR_SET_PDEATHSIG), and `stop`
+    ends the engine's whole process group (it leads its own: start_new_session)."""
+    from milepost.core.engine.actor import EngineActor
+    from milepost.core.engine.launcher import engine_command
+
+    command = engine_command(RolloutConfig(), models[0], "0", colocated=False, host="127.0.0.1")
+    killed, stopped = (EngineActor.remote(str(tmp_path / f"{n}.log")) for n in ("killed", "stopped"))
+    pids = [ray.get(a.launch.remote(command), timeout=120)[1] for a in (killed, stopped)]
+    assert all(os.getpgid(pid) == pid for pid in pids)  # each leads its own group
+    ray.kill(killed, no_restart=True)
+    assert _gone(pids[0]), "the engine outlived its killed actor"
+    ray.get(stopped.stop.remote(), timeout=60)
+    assert _gone(pids[1]) and ray.get(stopped.status.remote())["alive"] is False
+    ray.kill(stopped, no_restart=True)
