@@ -30,9 +30,9 @@ def wait_for_nodes(address: str, num_nodes: int, timeout_s: float, interval_s: f
     """Connect to the cluster at `address`; return the live node count once ≥ num_nodes."""
     import ray  # heavy: only where it runs, never at import time
 
-    ray.init(address=address, log_to_driver=False, logging_level="WARNING")
+    deadline = time.monotonic() + timeout_s
+    _connect(address, deadline, interval_s)
     try:
-        deadline = time.monotonic() + timeout_s
         while True:
             alive = sum(1 for node in ray.nodes() if node["Alive"])
             if alive >= num_nodes:
@@ -42,6 +42,25 @@ def wait_for_nodes(address: str, num_nodes: int, timeout_s: float, interval_s: f
             time.sleep(interval_s)
     finally:
         ray.shutdown()
+
+
+def _connect(address: str, deadline: float, interval_s: float) -> None:
+    """ray.init to the head, retried until `deadline`: the GCS port answers before the head's
+    raylet has registered, and a driver that connects in between fails at once ("No node info
+    found …"); on a loaded node that gap lasts seconds."""
+    import ray
+
+    while True:
+        try:
+            ray.init(address=address, log_to_driver=False, logging_level="WARNING")
+            return
+        except (ConnectionError, RuntimeError) as e:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"could not connect to the Ray head {address}: {e}") from e
+            print(f"ray_join: the head {address} is not ready yet ({type(e).__name__}); retrying", file=sys.stderr)
+            if ray.is_initialized():
+                ray.shutdown()
+            time.sleep(interval_s)
 
 
 def main(argv: list[str] | None = None) -> int:
