@@ -34,7 +34,7 @@ from milepost.core.config import AlgoConfig, SyncConfig, TrainConfig
 from milepost.core.engine.client import EngineClient
 from milepost.core.engine.router import free_port
 from milepost.core.train.torch_backend import TorchBackend
-from milepost.core.weight_sync import DistributedTransport, build_transport
+from milepost.core.weight_sync import DistributedTransport, TensorTransport, build_transport
 
 PROMPTS = [[3, 4, 5, 6], [7, 8, 9]]
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
@@ -185,6 +185,9 @@ def main() -> None:
         outputs["disk"] = [o["output_ids"] for o in client.generate(PROMPTS, GREEDY)]
         transports = {
             "tensor": build_transport("tensor", timeout_s=600, bucket_mb=args.bucket_mb),
+            # SGLang's format (a pickled flattened bucket over torch file_system shared memory,
+            # copied in by the engine): what an engine that does not announce the shm descriptor gets
+            "tensor (SGLang format)": TensorTransport(600, args.bucket_mb, wire_format="sglang"),
             # the default: flattened over several streams, sent and received in place
             "distributed": build_transport("distributed", timeout_s=600, bucket_mb=args.bucket_mb,
                                            gloo_streams=args.gloo_streams),

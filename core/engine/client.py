@@ -159,6 +159,10 @@ class EngineClient:
             return {}
         return {"push_id": push_id} if self._announces("accepts_push_id", timeout_s) else {}
 
+    def announces(self, extension: str, timeout_s: float | None = None) -> bool:
+        """Whether the engine's /server_info announces milepost's `extension` (asked once)."""
+        return self._announces(extension, timeout_s)
+
     def _announces(self, extension: str, timeout_s: float | None) -> bool:
         """Whether the engine's /server_info announces milepost's `extension` (asked once)."""
         if self._server_info is None:

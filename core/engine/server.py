@@ -36,6 +36,7 @@ from milepost.core.engine.memory import MemoryOccupation, parse_tags
 from milepost.core.engine.weight_receiver import WeightReceiver
 from milepost.core.engine.weight_routes import add_weight_routes, client_gone
 from milepost.core.weight_sync.groups import MAX_GLOO_STREAMS
+from milepost.core.weight_sync.wire import SHM_FORMAT
 
 log = logging.getLogger("milepost.engine")
 
@@ -556,7 +557,9 @@ def create_app(sched: Scheduler) -> FastAPI:
                 "weight_version": sched.weight_version, "max_batch_size": sched.max_batch_size,
                 "max_gloo_streams": MAX_GLOO_STREAMS,  # /init_weights_update_group takes `gloo_streams`
                 "accepts_push_id": True,  # /pause_generation and /continue_generation take `push_id`
-                "end_weight_update_abort": True}  # /end_weight_update takes `abort` (discards the session)
+                "end_weight_update_abort": True,  # /end_weight_update takes `abort` (discards the session)
+                # /update_weights_from_tensor also takes milepost's shm descriptor (beside SGLang's pickle)
+                "tensor_formats": [SHM_FORMAT]}
 
     @app.get("/get_load")
     async def get_load() -> Any:

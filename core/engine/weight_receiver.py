@@ -339,6 +339,17 @@ class WeightReceiver:
             self.stage(name, self._shadows[canonical], None)
         return flat
 
+    # ---- tensor transport, SGLang's format: a flattened bucket, copied into shadows ----
+    def load_flat(self, flat: torch.Tensor, specs: list[wire.Spec]) -> str:
+        """Stage `specs` (with byte `offset`s into `flat`) by copying them into private
+        shadows: the sender may reuse its shared buffer once this call has answered."""
+        problem = self.problems(specs)
+        if problem:
+            raise UpdateRejected(problem)
+        for s in specs:
+            self.shadow(s["name"]).copy_(wire.view(flat, s["offset"], s))
+        return f"staged {len(specs)} tensors from a flattened bucket"
+
     # ---- tensor transport: the trainer's shm bucket files, used in place ----
     def load_shm(self, descriptor: dict[str, Any]) -> str:
         specs = descriptor["tensors"]

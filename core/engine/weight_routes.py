@@ -3,21 +3,24 @@
 Every endpoint answers {"success", "message"}: 200 on success, 400 for a request that does
 not fit (bad fields, no session, shapes that do not match), 409/503 when the engine is busy.
 Blocking work runs in a thread; its waits are bounded by the receiver's timeouts.
-One extension of SGLang's bodies: /init_weights_update_group takes `gloo_streams` (TCP
-connections of a gloo group, groups.check_streams; /server_info's `max_gloo_streams` tells
-a trainer it may ask).
+Extensions of SGLang's bodies, each announced in /server_info: /init_weights_update_group
+takes `gloo_streams` (TCP connections of a gloo group, groups.check_streams;
+`max_gloo_streams`); /update_weights_from_tensor takes milepost's shared-memory descriptor
+besides SGLang's pickled flattened bucket (`tensor_formats`); /end_weight_update takes
+`abort` (`end_weight_update_abort`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from milepost.core.engine.weight_receiver import Reply, WeightReceiver
-from milepost.core.weight_sync import wire
+from milepost.core.weight_sync import sglang_wire, wire
 from milepost.core.weight_sync.groups import check_streams
 
 _REQUIRED = object()
@@ -81,6 +84,21 @@ def _load_format(body: dict, allowed: tuple[Any, ...]) -> Any:
     return fmt
 
 
+def load_tensor_payload(receiver: WeightReceiver, blob: Any) -> str:
+    """One TP rank's `serialized_named_tensors` entry: SGLang's format (a pickled flattened
+    bucket, read only through sglang_wire's allow-list, copied into private shadows) or
+    milepost's shared-memory descriptor (served in place; wire.py)."""
+    if not isinstance(blob, str):
+        raise FieldError("`serialized_named_tensors` entries must be base64 strings")
+    try:
+        raw = base64.b64decode(blob, validate=True)
+    except ValueError as exc:
+        raise FieldError(f"serialized_named_tensors is not base64: {exc}") from None
+    if sglang_wire.looks_like_pickle(raw):
+        return receiver.load_flat(*sglang_wire.decode(raw))
+    return receiver.load_shm(wire.decode_shm_descriptor(blob))
+
+
 def add_weight_routes(app: FastAPI, sched: Any, receiver: WeightReceiver) -> None:
     """Register the session endpoints on `app`; `sched` answers `ready`."""
 
@@ -112,7 +130,7 @@ def add_weight_routes(app: FastAPI, sched: Any, receiver: WeightReceiver) -> Non
             blobs = _field(b, "serialized_named_tensors", list)
             if len(blobs) != 1:
                 raise FieldError(f"`serialized_named_tensors` needs one entry per TP rank (1 here), got {len(blobs)}")
-            return receiver.run_update(lambda: receiver.load_shm(wire.decode_shm_descriptor(blobs[0])),
+            return receiver.run_update(lambda: load_tensor_payload(receiver, blobs[0]),
                                        bool(b.get("flush_cache", True)), b.get("weight_version"))
         return await run(request, handle)
 

@@ -1,7 +1,8 @@
 """The trainer's half of the tensor and distributed weight transports (rank 0 only).
 
 `tensor`: copies a bucket of named tensors into a reused named /dev/shm file and returns
-the descriptor the engine maps it by. `distributed`: joins a gloo group with the engines
+the descriptor the engine maps it by (milepost's extension), or into a reused shared buffer
+and returns SGLang's payload for it (sglang_wire). `distributed`: joins a gloo group with the engines
 (trainer = rank 0) and broadcasts buckets, flattened or tensor by tensor.
 Formats: milepost.core.weight_sync.wire.
 """
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from milepost.core.weight_sync import groups, wire
+from milepost.core.weight_sync import groups, sglang_wire, wire
 
 SHM_PREFIX = "milepost-w-"
 MAX_FILES_PER_BUCKET = 4  # engines hold one set (served) and maybe one staged; more means a leak
@@ -97,6 +98,7 @@ class WeightSender:
         self.copy_threads = copy_threads or min(4, len(os.sched_getaffinity(0)))
         self._copy_pool: ThreadPoolExecutor | None = None
         self._files: dict[int, list[BucketFile]] = {}
+        self._sglang_buffers: dict[int, torch.Tensor] = {}  # bucket → shared buffer (SGLang's format)
         self._groups: dict[str, tuple[Any, int]] = {}  # name → (group, streams)
         self._flat: torch.Tensor | None = None
         self._swept = False
@@ -136,6 +138,23 @@ class WeightSender:
         finally:
             wire.unlock(f.fd)
         return wire.encode_shm_descriptor(f.name, f.buf.numel(), generation, specs)
+
+    def to_sglang(self, names: list[str], bucket: int, copies: int = 1) -> list[str]:
+        """Copy `names` into bucket `bucket`'s shared buffer; returns `copies` payloads of
+        SGLang's format for it (sglang_wire.encode), one per receiving TP rank: each payload
+        holds one reference to the shared segment that its reader gives back, so one
+        payload read twice would free the segment under the sender (measured: the second
+        engine's next push found it gone). The buffer is reused by the next push: an engine
+        copies a bucket before answering its /update_weights_from_tensor (SGLang loads it;
+        the built-in engine copies it into its shadows)."""
+        pairs = self._gather(names)
+        specs = [s for s, _ in pairs]
+        offs, total = wire.offsets(specs)
+        flat = self._sglang_buffers.get(bucket)
+        if flat is None or flat.numel() < total:
+            flat = self._sglang_buffers[bucket] = sglang_wire.shared_buffer(total)
+        self._copy([(wire.view(flat, o, spec), t) for (spec, t), o in zip(pairs, offs)])
+        return [sglang_wire.encode(flat[:total], specs) for _ in range(copies)]
 
     def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """dst.copy_(src) for every pair, spread over the copy threads in balanced groups."""
@@ -197,7 +216,9 @@ class WeightSender:
         return BucketFile(name, fd, wire.map_fd(fd))
 
     def release(self) -> None:
-        """Unlink every file (engines keep the memory they map until they swap it out)."""
+        """Unlink every file (engines keep the memory they map until they swap it out) and
+        drop the shared buffers of SGLang's format."""
+        self._sglang_buffers.clear()
         for files in self._files.values():
             for f in files:
                 os.close(f.fd)

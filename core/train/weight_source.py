@@ -26,6 +26,9 @@ class SenderRank:
     def named_tensors_to_shm(self, names: list[str], bucket: int, buffer_bytes: int) -> str:
         return self._weight_sender().to_shm(names, bucket, buffer_bytes)
 
+    def named_tensors_to_sglang(self, names: list[str], bucket: int, copies: int = 1) -> list[str]:
+        return self._weight_sender().to_sglang(names, bucket, copies)
+
     def release_weight_buffers(self) -> None:
         self._weight_sender().release()
 
@@ -86,6 +89,13 @@ class Rank0WeightSource(RankActors):
         """Write bucket `bucket` (these names) into a shared-memory file no engine holds."""
         self._stage(names, timeout_s)
         return self._on_rank0("named_tensors_to_shm", names, bucket, buffer_bytes, timeout_s=timeout_s)
+
+    def named_tensors_to_sglang(self, names: list[str], bucket: int, copies: int = 1,
+                                timeout_s: float = 60.0) -> list[str]:
+        """Write bucket `bucket` into its shared buffer; `copies` SGLang flattened-bucket
+        payloads of it, one per receiving TP rank (each is read once)."""
+        self._stage(names, timeout_s)
+        return self._on_rank0("named_tensors_to_sglang", names, bucket, copies, timeout_s=timeout_s)
 
     def release_weight_buffers(self, timeout_s: float = 60.0) -> None:
         self._on_rank0("release_weight_buffers", timeout_s=timeout_s)

@@ -4,6 +4,7 @@ take them through /update_weights_from_tensor (load_format flattened_bucket)."""
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 from milepost.core.engine.client import EngineClient
 from milepost.core.weight_sync import wire
@@ -12,8 +13,12 @@ from milepost.core.weight_sync.session import SessionTransport
 
 
 class TensorTransport(SessionTransport):
-    """One copy per push: the trainer copies its weights into shared-memory files and the
-    built-in engine serves them in place (file ownership rules in wire's docstring).
+    """Formats, agreed per push from the engines' /server_info: when every engine lists
+    milepost's shm descriptor in `tensor_formats` (the built-in engine does), one copy per
+    push: the trainer copies its weights into shared-memory files and the engine serves
+    them in place (file ownership rules in wire's docstring). Any other engine (SGLang) gets
+    SGLang's own format (sglang_wire: a pickled flattened bucket over shared memory, one
+    entry per engine TP rank, `tp_size` from /server_info); the engine copies it in.
 
     Overlap: the first bucket is written while the engines pause, flush and begin (the
     trainer's own free files need no paused engine), and bucket i+1 while the engines take
@@ -24,15 +29,34 @@ class TensorTransport(SessionTransport):
 
     name = "tensor"
 
+    def __init__(self, *args: Any, wire_format: str | None = None, **kwargs: Any) -> None:
+        """`wire_format`: None agrees the format with the engines; "sglang" sends SGLang's
+        to every engine (tests and bench/weight_sync.py compare the two)."""
+        super().__init__(*args, **kwargs)
+        if wire_format not in (None, "sglang"):
+            raise ValueError(f"wire_format `{wire_format}`: use None (agreed with the engines) or sglang")
+        self.wire_format = wire_format
+
     def _prepare(self, pool: ThreadPoolExecutor, clients: list[EngineClient], backend: WeightSource,
                  deadline: Deadline) -> None:
         plan = self.plan(backend, deadline)
         sizes = [wire.offsets(b)[1] for b in plan]
         self._bytes, buffer_bytes = sum(sizes), max(sizes, default=0)  # every file fits any bucket
+        infos = on_engines(pool, clients, "server_info", lambda c: c.server_info(timeout_s=deadline.left()),
+                           deadline)
+        self._shm = self.wire_format != "sglang" and all(
+            wire.SHM_FORMAT in (info.get("tensor_formats") or []) for info in infos)
+        tp = [int(info.get("tp_size", 1)) for info in infos]
+        starts = [sum(tp[:k]) for k in range(len(tp))]  # engine k reads payloads [start, start + tp_k)
+        self._ranks = {c.base_url: (start, start + n) for c, start, n in zip(clients, starts, tp)}
 
-        def write(i: int) -> str:
+        def write(i: int) -> list[str]:
+            """Bucket i's `serialized_named_tensors`: one shm descriptor for every engine, or
+            one SGLang payload per engine TP rank (each read once)."""
             names = [s["name"] for s in plan[i]]
-            return backend.named_tensors_to_shm(names, i, buffer_bytes, timeout_s=deadline.left())
+            if self._shm:
+                return [backend.named_tensors_to_shm(names, i, buffer_bytes, timeout_s=deadline.left())]
+            return backend.named_tensors_to_sglang(names, i, sum(tp), timeout_s=deadline.left())
 
         self._write = write
         self._stage = ThreadPoolExecutor(max_workers=4, thread_name_prefix="weight-sync-stage")
@@ -43,17 +67,18 @@ class TensorTransport(SessionTransport):
         flush = self.pause_mode != "in_place"
         num_buckets = len(self.plan(backend, deadline))
 
-        def post(descriptor: str) -> None:
+        def post(payloads: list[str]) -> None:
             on_engines(pool, clients, "update_weights_from_tensor", lambda c: c.update_weights_from_tensor(
-                [descriptor], "flattened_bucket", flush, timeout_s=deadline.left()), deadline)
+                payloads if self._shm else payloads[slice(*self._ranks[c.base_url])], "flattened_bucket", flush,
+                timeout_s=deadline.left()), deadline)
 
         try:  # the writer and the posters run in `_stage`; `pool` serves the per-engine calls
             posts, writing = [], self._first
             for i in range(num_buckets):
-                descriptor = result(writing, deadline, f"trainer writing bucket {i}")
+                payloads = result(writing, deadline, f"trainer writing bucket {i}")
                 if i + 1 < num_buckets:
                     writing = self._stage.submit(self._write, i + 1)
-                posts.append(self._stage.submit(post, descriptor))
+                posts.append(self._stage.submit(post, payloads))
             for i, p in enumerate(posts):
                 result(p, deadline, f"engines taking bucket {i}")
         finally:

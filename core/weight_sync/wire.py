@@ -19,15 +19,16 @@ lock: an engine holds a shared flock on every file whose tensors it has staged o
 the trainer rewrites a file only under an exclusive non-blocking flock, so never one an
 engine uses. The header's generation (random per write) must equal the descriptor's, so a
 late request never takes a file rewritten since. Header: int64 magic, generation, nbytes.
-Real SGLang carries CUDA IPC handles in the same field on GPU; this format is the built-in
-engine's CPU equivalent (JSON, not pickle, so a request can never run code).
+The engine serves the tensors in place, with no copy (SGLang's format costs a copy into
+the engine's own tensors: the sender reuses its buffer).
 
-Allow-list (what the engine deserialises from a weight payload, and nothing else): base64
-of a JSON object in `serialized_named_tensors`, with format SHM_FORMAT, ints for sizes and offsets,
-dtypes named in DTYPES, shm names matching _SHM_NAME inside SHM_DIR (no "." or "..").
-A pickle (SGLang's own format: MultiprocessingSerializer, which SGLang 0.5.23 itself loads
-through an allow-list SafeUnpickler) is refused as such, never unpickled: no payload byte
-reaches pickle, torch.load or eval on the engine.
+Allow-list of this format (what the engine reads from a descriptor, and nothing else):
+base64 of a JSON object in `serialized_named_tensors`, with format SHM_FORMAT, ints for
+sizes and offsets, dtypes named in DTYPES, shm names matching _SHM_NAME inside SHM_DIR (no
+"." or ".."). This format is milepost's extension, sent only to engines whose /server_info
+lists it in `tensor_formats`; every other engine gets SGLang's own format (a pickled
+flattened bucket, sglang_wire.py), which the built-in engine reads through an allow-list
+unpickler only.
 """
 
 from __future__ import annotations
@@ -114,8 +115,8 @@ def decode_shm_descriptor(blob: Any) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - any garbage is the caller's error
         raise ValueError(f"serialized_named_tensors is not base64 ({SHM_FORMAT} descriptor): {exc}") from None
     if raw[:1] == bytes([PICKLE_PROTO]):
-        raise ValueError("serialized_named_tensors holds a pickle (SGLang's CUDA-IPC format): the built-in engine "
-                         f"never unpickles a request; send a {SHM_FORMAT} descriptor (TensorTransport does)")
+        raise ValueError("serialized_named_tensors holds a pickle (SGLang's format): read it with "
+                         f"sglang_wire.decode (allow-list only), not as a {SHM_FORMAT} descriptor")
     try:
         body = json.loads(raw)
     except Exception as exc:  # noqa: BLE001 - any garbage is the caller's error

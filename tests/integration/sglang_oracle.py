@@ -131,15 +131,30 @@ def request(sgl: types.SimpleNamespace, cls_name: str, body: dict[str, Any]) -> 
     return pydantic.TypeAdapter(getattr(sgl.io_struct, cls_name)).validate_json(json.dumps(body))
 
 
+def decode_main(out: str) -> None:
+    """python sglang_oracle.py decode OUT: read one `serialized_named_tensors` entry (base64)
+    from stdin, decode it exactly as an SGLang TP rank does with load_format
+    flattened_bucket (MultiprocessingSerializer.deserialize through its SafeUnpickler, then
+    FlattenedTensorBucket.reconstruct_tensors), save the named tensors to OUT."""
+    import torch
+    sgl = load()
+    data = sgl.MultiprocessingSerializer.deserialize(sys.stdin.readline().strip())
+    bucket = sgl.FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=data["metadata"])
+    torch.save({name: t.clone() for name, t in bucket.reconstruct_tensors()}, out)
+
+
 def main() -> None:
     """python sglang_oracle.py HOST PORT RANK WORLD GROUP OUT: join the group with SGLang's
     `init_custom_process_group` (gloo), receive one broadcast of the tensors described in
-    OUT.specs.json from rank 0, save them to OUT (torch.save)."""
+    OUT.specs.json from rank 0, save them to OUT (torch.save). `decode OUT`: decode_main."""
     import datetime
     import json
 
     import torch
     import torch.distributed as dist
+    if sys.argv[1] == "decode":
+        decode_main(sys.argv[2])
+        return
     host, port, rank, world, group, out = sys.argv[1:7]
     sgl = load()
     pg = sgl.init_custom_process_group(backend="gloo", init_method=f"tcp://{host}:{port}", world_size=int(world),

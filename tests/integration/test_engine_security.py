@@ -1,6 +1,6 @@
 """The built-in engine's security rules against a real engine process over real HTTP: the
 admin key (SGLang's --admin-api-key semantics), bad input answered 4xx while the engine
-keeps serving, a body size limit, weight payloads that are never unpickled, and the
+keeps serving, a body size limit, weight payloads unpickled through an allow-list only, and the
 pause/continue ordering guard of a weight push."""
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ def test_a_pause_arriving_after_the_continue_of_its_push_is_ignored(url, admin, 
     assert admin.server_info()["accepts_push_id"] is True
 
 
-# --- weight payloads are never unpickled ---------------------------------------------------------
+# --- weight payloads: only allow-listed pickles (SGLang's format, sglang_wire) -------------------
 
 class _RunsCode:
     """A real malicious pickle: unpickling it runs os.system."""

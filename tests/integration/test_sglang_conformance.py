@@ -213,3 +213,69 @@ def test_sglang_refuses_what_it_should(sgl) -> None:
     with pytest.raises(pydantic.ValidationError):
         sglang_oracle.request(sgl, "InitWeightsUpdateGroupReqInput", {"master_address": "h", "master_port": "x"})
     assert "unknown field `bogus`" in sgl.generate_contract_error({"input_ids": [1], "sampling_params": {"bogus": 1}})
+
+
+# ---- tensor payloads in SGLang's format ----
+
+def test_milepost_payload_decodes_with_sglangs_deserializer_in_another_process(sgl, tmp_path) -> None:
+    """The trainer's payload (sglang_wire.encode over a shared buffer) read by SGLang's own
+    MultiprocessingSerializer + FlattenedTensorBucket in an unrelated process: bit for bit."""
+    from milepost.core.weight_sync import sglang_wire, wire
+    sent = _tensors()
+    specs = [dict(s) for s in SPECS]
+    offs, total = wire.offsets(specs)
+    flat = sglang_wire.shared_buffer(total)
+    for s, o in zip(specs, offs):
+        wire.view(flat, o, s).copy_(sent[s["name"]])
+    blob = sglang_wire.encode(flat, specs)
+    out = tmp_path / "decoded.pt"
+    reader = subprocess.run([sys.executable, str(HERE / "sglang_oracle.py"), "decode", str(out)], input=blob + "\n",
+                            capture_output=True, text=True, timeout=300)
+    assert reader.returncode == 0, reader.stdout + reader.stderr
+    decoded = torch.load(out)
+    assert list(decoded) == [s["name"] for s in SPECS]
+    for name, t in sent.items():
+        assert decoded[name].dtype == t.dtype and torch.equal(decoded[name], t), name
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    from tinymodels import save_tiny_qwen2, start_engines, stop_engines
+    root = tmp_path_factory.mktemp("conformance")
+    v0, v1 = save_tiny_qwen2(root / "v0", 0), save_tiny_qwen2(root / "v1", 1)
+    started = start_engines(v0, root)
+    yield started[0][1], v0, v1
+    stop_engines(started)
+
+
+def test_the_engine_loads_a_payload_serialized_by_sglang_itself(sgl, engine) -> None:
+    """A bucket serialized by SGLang's own MultiprocessingSerializer (file_system sharing,
+    as a CPU sender must) is loaded by the built-in engine: it then serves what a disk
+    load of the same weights serves."""
+    import torch.multiprocessing as mp
+    from safetensors.torch import load_file
+    client, v0, v1 = engine
+    greedy = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    client.update_weights_from_disk(v1, weight_version="disk-v1")
+    want = client.generate([[3, 4, 5]], greedy)[0]["output_ids"]
+    client.update_weights_from_disk(v0, weight_version="0")
+    assert client.generate([[3, 4, 5]], greedy)[0]["output_ids"] != want
+    state = load_file(str(Path(v1) / "model.safetensors"))
+    named = [(k, v.contiguous()) for k, v in state.items() if v.dtype == torch.float32]
+    strategy = mp.get_sharing_strategy()
+    mp.set_sharing_strategy("file_system")
+    try:
+        bucket = sgl.FlattenedTensorBucket(named_tensors=named)
+        blob = sgl.MultiprocessingSerializer.serialize({"flattened_tensor": bucket.get_flattened_tensor(),
+                                                        "metadata": bucket.get_metadata()}, output_str=True)
+    finally:
+        mp.set_sharing_strategy(strategy)
+    client.begin_weight_update()
+    try:
+        reply = client.update_weights_from_tensor([blob], "flattened_bucket")
+        assert reply["success"], reply
+        client.update_weight_version("tensor-v1", False)
+    finally:
+        client.end_weight_update()
+    assert client.model_info()["weight_version"] == "tensor-v1"
+    assert client.generate([[3, 4, 5]], greedy)[0]["output_ids"] == want

@@ -85,13 +85,14 @@ def reference(engines, backend, models, tmp_path_factory):
 @pytest.mark.parametrize("make", [
     lambda: TensorTransport(timeout_s=60),
     lambda: TensorTransport(timeout_s=60, bucket_mb=0.01),  # many buckets: writes overlap reads
+    lambda: TensorTransport(timeout_s=60, bucket_mb=0.01, wire_format="sglang"),  # SGLang's pickled buckets
     lambda: DistributedTransport(timeout_s=60),
     # two engines: each stream a full mesh; flattened (the default over several streams), so
     # both sides send and receive in place: the packed trainer and the engines' shadow spans
     lambda: DistributedTransport(timeout_s=60, gloo_streams=4),
     lambda: DistributedTransport(timeout_s=60, gloo_streams=4, flattened=False),
     lambda: DistributedTransport(timeout_s=60, bucket_mb=0.01, flattened=True),
-], ids=["tensor", "tensor-small-buckets", "distributed", "distributed-4-streams",
+], ids=["tensor", "tensor-small-buckets", "tensor-sglang-format", "distributed", "distributed-4-streams",
         "distributed-4-streams-per-tensor", "distributed-flattened-small-buckets"])
 def test_push_serves_what_a_disk_load_serves(make, engines, backend, models, reference):
     clients = [c for _, c in engines]
@@ -258,9 +259,14 @@ def test_mismatched_distributed_bucket_is_rejected_and_the_group_stays_in_step(f
 
 
 class HalfBrokenTensorTransport(TensorTransport):
-    """Sends every bucket to the first engine, then a bucket the second refuses."""
+    """Sends every bucket to the first engine, then a bucket the second refuses (while
+    `broken`)."""
+
+    broken = True
 
     def _send(self, pool, clients, backend, deadline):
+        if not self.broken:
+            return super()._send(pool, clients, backend, deadline)
         nbytes = super()._send(pool, clients[:1], backend, deadline)
         on_engines(pool, clients[1:], "update_weights_from_tensor",
                    lambda c: c.update_weights_from_tensor(["bm90IGEgZGVzY3JpcHRvcg=="]), deadline)
@@ -280,6 +286,33 @@ def test_a_refused_bucket_on_one_engine_leaves_every_engine_on_the_old_version(e
     assert clients[1].base_url in str(err.value) and "2 attempt(s)" in str(err.value)  # refused: retried
     assert [c.model_info()["weight_version"] for c in clients] == ["0", "0"]
     assert _outputs(clients) == reference["v0"]
+
+
+def test_a_push_that_fails_half_way_restores_the_last_good_weights_before_continue(engines, backend, models,
+                                                                                  reference, tmp_path):
+    """SGLang loads each bucket as it arrives: after a failure, engines that do not discard
+    an aborted session reload the export of the last committed push before `continue`, and
+    the error says so. restore="always" treats the built-in engines that way."""
+    clients = [c for _, c in engines]
+    _load_disk(clients, models[0], "0")
+    export = tmp_path / "export-1"
+    backend.export_hf(str(export))
+    transport = HalfBrokenTensorTransport(timeout_s=30, num_attempts=1, restore="always")
+    transport.broken = False
+    try:
+        transport.push(clients, str(export), "1", backend=backend)
+        assert transport.last_good == (str(export), "1")
+        _load_disk(clients, models[0], "0")  # engines on other weights: the restore must bring back "1"
+        transport.broken = True
+        with pytest.raises(WeightSyncError) as err:
+            transport.push(clients, str(tmp_path / "export-2"), "2", backend=backend)
+    finally:
+        transport.close()
+    assert err.value.args[0].count(f"restored version 1 from {export}") == 2, err.value
+    for c in clients:
+        info = c.model_info()
+        assert (info["weight_version"], info["model_path"]) == ("1", str(export))
+    assert _outputs(clients) == reference["trained"]
 
 
 @pytest.fixture(scope="module")

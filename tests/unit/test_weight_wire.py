@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import pickle
 
 import pytest
 import torch
@@ -66,3 +68,61 @@ def test_span_is_one_view_over_tensors_that_lie_back_to_back() -> None:
 ], ids=["gap", "order", "storage", "strided", "dtype"])
 def test_span_is_none_unless_the_bytes_are_one_run(parts) -> None:
     assert wire.span(parts(torch.zeros(10))) is None
+
+
+# ---- SGLang's format (sglang_wire): written by milepost, read through an allow-list only ----
+
+def _sglang_bucket() -> tuple[torch.Tensor, list[dict], dict[str, torch.Tensor]]:
+    from milepost.core.weight_sync import sglang_wire
+    tensors = {"w": torch.randn(4, 3), "b": torch.arange(5, dtype=torch.bfloat16)}
+    specs = [{"name": n, "dtype": wire.dtype_name(t.dtype), "shape": list(t.shape)} for n, t in tensors.items()]
+    offs, total = wire.offsets(specs)
+    flat = sglang_wire.shared_buffer(total)
+    for s, o in zip(specs, offs):
+        wire.view(flat, o, s).copy_(tensors[s["name"]])
+    return flat, specs, tensors
+
+
+def test_sglang_payload_round_trips_through_the_allow_list() -> None:
+    from milepost.core.weight_sync import sglang_wire
+    flat, specs, tensors = _sglang_bucket()
+    raw = base64.b64decode(sglang_wire.encode(flat, specs))
+    assert sglang_wire.looks_like_pickle(raw) and b"sglang.srt.weight_sync.tensor_bucket" in raw
+    got, got_specs = sglang_wire.decode(raw)
+    for s in got_specs:
+        assert torch.equal(wire.view(got, s["offset"], s), tensors[s["name"]])
+
+
+class _RunsCode:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("payload", ["os.system", "torch.load", "builtins.eval"])
+def test_sglang_payload_outside_the_allow_list_runs_nothing(payload, tmp_path) -> None:
+    from milepost.core.weight_sync import sglang_wire
+    marker = tmp_path / "pwned"
+    obj = {"os.system": lambda: _RunsCode(str(marker)), "torch.load": lambda: torch.load,
+           "builtins.eval": lambda: eval}[payload]()
+    with pytest.raises(ValueError, match="allow-list"):
+        sglang_wire.decode(pickle.dumps({"flattened_tensor": obj, "metadata": []}))
+    assert not marker.exists()
+
+
+def test_sglang_payload_claiming_more_than_its_segment_is_refused(monkeypatch) -> None:
+    """Mapping past the end of a segment would crash the engine on first touch (SIGBUS)."""
+    from milepost.core.weight_sync import sglang_wire
+    flat, specs, _ = _sglang_bucket()
+    honest = sglang_wire._reduce_storage_file_system
+
+    def lying(storage):
+        rebuild, (cls, manager, handle, size) = honest(storage)
+        return rebuild, (cls, manager, handle, size * 1000)
+
+    monkeypatch.setattr(sglang_wire, "_reduce_storage_file_system", lying)
+    raw = base64.b64decode(sglang_wire.encode(flat, specs))
+    with pytest.raises(ValueError, match="holds .* bytes, the payload says"):
+        sglang_wire.decode(raw)
