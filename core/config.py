@@ -160,10 +160,6 @@ class SglangConfig(Section):
 
 class RolloutConfig(Section):
     function: str = Field("default", description="Registered rollout function or import path.")
-    engine: Literal["builtin", "sglang"] = Field(
-        "builtin", description="builtin: milepost's own engine (CPU, or one GPU). sglang: "
-                               "`python -m sglang.launch_server` on GPU bundles (pip install milepost[sglang]).")
-    sglang: SglangConfig = SglangConfig()
     num_engines: int = Field(1, ge=1)
     num_samples_per_prompt: int = Field(8, ge=1)
     prompts_per_step: int = Field(32, ge=1)
@@ -175,6 +171,10 @@ class RolloutConfig(Section):
     max_prompt_tokens: int = Field(
         512, ge=1, description="Longest prompt in tokens; `milepost plan` sizes the engines' KV cache and "
                                "the trainer's sequences with it.")
+    engine: Literal["builtin", "sglang"] = Field(
+        "builtin", description="builtin: milepost's own engine (CPU, or one GPU). sglang: "
+                               "`python -m sglang.launch_server` on GPU bundles (pip install milepost[sglang]).")
+    sglang: SglangConfig = SglangConfig()
     engine_tensor_parallel: int = Field(1, ge=1, description="Devices per engine (SGLang --tp-size).")
     partial_rollout: bool = Field(
         True, description="A response cut by a weight push keeps its tokens and is continued under "
