@@ -35,7 +35,7 @@ import fault_campaign as cp
 KINDS = ("driver", "trainer", "engine", "router", "ray_head", "slurm_stage")
 MAX_RERUNS = 3          # `milepost run` again after the faulted one, at most
 RUN_TIMEOUT_S = 900     # one `milepost run`: against hangs, not a timed assertion
-ANCHOR_TIMEOUT_S = 600  # waiting for the kill moment
+ANCHOR_TIMEOUT_S = 1500  # waiting for the kill moment (a loaded 2-core machine took > 600 s to reach evaluate)
 VICTIM_TIMEOUT_S = 60   # waiting for the victim to exist once the moment came
 MAX_DELAY_S = 2.0
 
