@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -89,11 +88,13 @@ class EngineActor:
 
     def _forget_config_when_listening(self, host: str, port: int) -> None:
         """Both engines read --config before they bind: once the port accepts, the key file goes."""
+        import httpx  # an HTTP request, not a bare connect: servers log a connection closed unasked
+
         while self.proc is not None and self.proc.poll() is None:
             try:
-                with socket.create_connection((host, port), timeout=1.0):
-                    break
-            except OSError:
+                httpx.get(f"http://{_url_host(host)}:{port}/health", timeout=2.0)  # any answer: it listens
+                break
+            except httpx.HTTPError:
                 time.sleep(0.5)
         self._remove_private_dir()
 
