@@ -61,6 +61,7 @@ NUM_CONTINUED_PUSHES = 256  # push ids remembered by the pause/continue ordering
 FLUSHED_TEXT = ("Cache flushed.\nPlease check backend logs for more details. "
                 "(When there are running or waiting requests, the operation will not be performed.)\n")
 MAX_FLUSH_WAIT_S = 300.0
+BATCH_GATHER_S, BATCH_GATHER_MAX_S = 0.02, 0.2  # Scheduler._gather's batching window
 
 
 class Scheduler:
@@ -70,7 +71,8 @@ class Scheduler:
     guarded by `model_lock`, held by the generator around each forward and by a weight update
     while it swaps tensors in (`_updating` keeps new batches from starting meanwhile); `model_lock` is
     never taken while `_cv` is held, nor the reverse. A batch takes every queued
-    sequence (up to max_batch_size); requests that arrive meanwhile wait for the next batch.
+    sequence (up to max_batch_size) once arrivals pause (`_gather`'s short window);
+    requests that arrive while it runs wait for the next batch.
     While paused nothing new is scheduled; `abort` / `retract` pauses return once the running
     batch has ended, `in_place` returns at once and parks the batch between steps.
     Session weight updates (begin → buckets → version → end) are staged by `receiver` and
@@ -129,6 +131,9 @@ class Scheduler:
             with self._cv:
                 while not self._queue or self._paused or self._updating:
                     self._cv.wait()
+                self._gather()
+                if not self._queue or self._paused or self._updating:
+                    continue
                 batch = [self._queue.popleft() for _ in range(min(self.max_batch_size, len(self._queue)))]
                 self._running = batch
             try:
@@ -145,6 +150,20 @@ class Scheduler:
                 self._cv.notify_all()
             for s in batch if done else []:
                 s.on_done(s)
+
+    def _gather(self) -> None:
+        """Batching window (caller holds `_cv`): wait while sequences keep arriving, each
+        within BATCH_GATHER_S of the last, for at most BATCH_GATHER_MAX_S in all. Why: a
+        batch runs to its end before the next starts, and the rollout sends one request per
+        sample seed (rollout.py's seed rule) all at once; without the window the first
+        request would run alone and the others wait for it. Outputs do not depend on the
+        batch a sequence runs in (generation.py), only latency does."""
+        end = time.monotonic() + BATCH_GATHER_MAX_S
+        while len(self._queue) < self.max_batch_size and not (self._paused or self._updating):
+            seen = len(self._queue)
+            self._cv.wait(timeout=BATCH_GATHER_S)
+            if len(self._queue) == seen or time.monotonic() >= end:
+                return
 
     def _step_hook(self) -> bool:
         with self._cv:
