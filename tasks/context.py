@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
@@ -32,6 +32,9 @@ class StageContext:
     store: CampaignStore
     checkpoints: CheckpointManager
     show_progress: bool = False
+    # The Ray auth variables as they were before `connect` set the campaign's (restored on
+    # `disconnect`).
+    _auth_before: dict[str, str | None] | None = field(default=None, repr=False)
 
     @classmethod
     def open(cls, url: str, block: int, show_progress: bool = False) -> "StageContext":
@@ -76,7 +79,7 @@ class StageContext:
         _check_reachable(address, launch)
         if not ray.is_initialized():
             from milepost.tasks.ray_auth import use_campaign_ray_auth
-            use_campaign_ray_auth(self.store)
+            self._auth_before = use_campaign_ray_auth(self.store)
             ray.init(address=address, namespace=self.namespace, log_to_driver=False, logging_level="WARNING")
         return address
 
@@ -84,6 +87,10 @@ class StageContext:
         import sys
         if "ray" in sys.modules and sys.modules["ray"].is_initialized():
             sys.modules["ray"].shutdown()
+        if self._auth_before is not None:
+            from milepost.tasks.ray_auth import restore_environment
+            restore_environment(self._auth_before)
+            self._auth_before = None
 
     # --- the block's fleet --------------------------------------------------------------------
     def write_fleet(self, doc: dict[str, Any]) -> None:

@@ -15,6 +15,8 @@ own `RAY_AUTH_TOKEN` / `RAY_AUTH_TOKEN_PATH` in the environment, are left as the
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from milepost.core.secrets import ensure_secret
 from milepost.core.store import CampaignStore
@@ -34,6 +36,33 @@ def ray_auth_env(store: CampaignStore) -> dict[str, str]:
     return {"RAY_AUTH_MODE": mode, "RAY_AUTH_TOKEN_PATH": str(path)}
 
 
-def use_campaign_ray_auth(store: CampaignStore) -> None:
-    """Set this process's (and its children's) Ray auth environment for the campaign."""
-    os.environ.update(ray_auth_env(store))
+def use_campaign_ray_auth(store: CampaignStore) -> dict[str, str | None]:
+    """Set this process's (and its children's) Ray auth environment for the campaign.
+
+    Returns what the variables were before, for `restore_environment`: a process that runs
+    stages of several campaigns in turn (a test session, a notebook) must not carry one
+    campaign's token path into the next, where it would count as the user's own setting.
+    """
+    wanted = ray_auth_env(store)
+    previous = {name: os.environ.get(name) for name in wanted}
+    os.environ.update(wanted)
+    return previous
+
+
+def restore_environment(previous: dict[str, str | None]) -> None:
+    """Put back the variables `use_campaign_ray_auth` changed (unset the ones that were unset)."""
+    for name, value in previous.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+@contextmanager
+def campaign_ray_auth(store: CampaignStore) -> Iterator[None]:
+    """The campaign's Ray auth environment for the duration of a block of code."""
+    previous = use_campaign_ray_auth(store)
+    try:
+        yield
+    finally:
+        restore_environment(previous)

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import psutil
 
 from milepost.tasks.context import StageContext
-from milepost.tasks.ray_auth import use_campaign_ray_auth
+from milepost.tasks.ray_auth import campaign_ray_auth
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,11 @@ def run_stage(campaign_url: str, block: int, stage: str, show_progress: bool = F
         raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
     _die_with_driver()
     ctx = StageContext.open(campaign_url, block, show_progress=show_progress)
-    use_campaign_ray_auth(ctx.store)  # the head this stage starts, or the one it joins
+    with campaign_ray_auth(ctx.store):  # the head this stage starts, or the one it joins
+        return _run_stage_in(ctx, block, stage)
+
+
+def _run_stage_in(ctx: StageContext, block: int, stage: str) -> dict[str, Any]:
     if ctx.recipe.cluster.executor == "slurm" and os.environ.get("SLURM_JOB_ID"):
         _outlive_slurm_term()
     record = ctx.store.stage_record(block, stage)

@@ -10,7 +10,7 @@ import pytest
 
 from milepost.core.secrets import ensure_secret, read_secret
 from milepost.core.store import CampaignStore
-from milepost.tasks.ray_auth import ray_auth_env
+from milepost.tasks.ray_auth import campaign_ray_auth, ray_auth_env
 
 
 def _mode(path) -> int:
@@ -60,3 +60,21 @@ def test_a_users_own_ray_auth_settings_are_left_alone(tmp_path, monkeypatch):
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", "/etc/my-ray-token")
     assert ray_auth_env(CampaignStore(str(tmp_path))) == {"RAY_AUTH_MODE": "token"}
     assert not (tmp_path / "secrets").exists()
+
+
+def test_one_campaigns_token_path_does_not_outlive_its_stage(tmp_path, monkeypatch):
+    # A process that runs stages of two campaigns in turn (a test session, a notebook): had the
+    # first campaign's token path stayed in the environment, the second would take it for the
+    # user's own setting and its Ray head would not accept the second campaign's token.
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    first, second = CampaignStore(str(tmp_path / "a")), CampaignStore(str(tmp_path / "b"))
+    with campaign_ray_auth(first):
+        assert os.environ["RAY_AUTH_TOKEN_PATH"] == str(tmp_path / "a" / "secrets" / "ray_auth_token")
+    assert "RAY_AUTH_TOKEN_PATH" not in os.environ and "RAY_AUTH_MODE" not in os.environ
+    with campaign_ray_auth(second):
+        assert os.environ["RAY_AUTH_TOKEN_PATH"] == str(tmp_path / "b" / "secrets" / "ray_auth_token")
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    with pytest.raises(RuntimeError), campaign_ray_auth(first):
+        raise RuntimeError("a stage that fails")
+    assert os.environ["RAY_AUTH_MODE"] == "token" and "RAY_AUTH_TOKEN_PATH" not in os.environ

@@ -1,0 +1,26 @@
+"""Checks that hold for every test of the suite."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Variables that, left behind by one test, change how every later test starts or joins Ray
+# (a stale token path counts as the user's own setting and the next head refuses its token).
+_PROCESS_WIDE = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS")
+
+
+@pytest.fixture(autouse=True)
+def _no_ray_settings_leak_out_of_a_test():
+    before = {name: os.environ.get(name) for name in _PROCESS_WIDE}
+    yield
+    after = {name: os.environ.get(name) for name in _PROCESS_WIDE}
+    leaked = {name: value for name, value in after.items() if value != before[name]}
+    if leaked:
+        for name, value in before.items():  # so that the tests after this one run as they should
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        pytest.fail(f"this test (or the code it ran) left process-wide Ray settings changed: {leaked}")
