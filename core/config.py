@@ -321,6 +321,65 @@ class EvalConfig(Section):
     max_new_tokens: int = Field(8, ge=1)
 
 
+# Sinks beside blocks/<n>/metrics.jsonl, and the extra each needs (module to find, pip extra).
+SINK_EXTRAS = {"tensorboard": ("tensorboard", "tensorboard"), "mlflow": ("mlflow", "mlflow")}
+KNOWN_SINKS = ("jsonl", *SINK_EXTRAS)
+
+
+class MlflowSinkConfig(Section):
+    tracking_uri: str | None = Field(
+        None, description="MLflow tracking URI; null: an SQLite file under the campaign store "
+                          "(<campaign>/metrics/mlflow/mlflow.db), offline. Credentials of a server come "
+                          "from the environment (MLFLOW_TRACKING_TOKEN, MLFLOW_TRACKING_USERNAME/PASSWORD).")
+    experiment: str | None = Field(None, max_length=500,
+                                   description="MLflow experiment; null: campaign.name.")
+
+    @field_validator("tracking_uri")
+    @classmethod
+    def _no_credentials(cls, uri: str | None) -> str | None:
+        # A password in the recipe would be stored in campaign.yaml and every stage record's view.
+        if uri and "@" in uri.split("://", 1)[-1].split("/", 1)[0]:
+            raise ValueError("metrics.mlflow.tracking_uri holds credentials (`user:password@`); "
+                             "remove them and set MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD or "
+                             "MLFLOW_TRACKING_TOKEN in the environment instead")
+        return uri
+
+
+class MetricsConfig(Section):
+    """Where step metrics go. blocks/<n>/metrics.jsonl is always written (listing `jsonl` is
+    allowed and changes nothing); the other sinks get each committed step exactly once."""
+
+    sinks: tuple[str, ...] = Field(
+        ("jsonl",), description="Any of jsonl, tensorboard (<campaign>/metrics/tensorboard), "
+                                "mlflow (one run per campaign); each but jsonl needs its extra: "
+                                "pip install 'milepost[tensorboard]' / 'milepost[mlflow]'.")
+    mlflow: MlflowSinkConfig = MlflowSinkConfig()
+
+    @field_validator("sinks")
+    @classmethod
+    def _known_and_installed(cls, sinks: tuple[str, ...]) -> tuple[str, ...]:
+        import difflib
+        import importlib.util
+
+        for name in sinks:
+            if name == "wandb":
+                raise ValueError(
+                    "metrics.sinks: wandb is not supported yet (its offline runs cannot be read back "
+                    "to prove each step is written once across restarts); use tensorboard or mlflow")
+            if name not in KNOWN_SINKS:
+                close = difflib.get_close_matches(name, KNOWN_SINKS, n=1)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                raise ValueError(f"metrics.sinks: unknown sink {name!r}{hint}; choose from "
+                                 f"{', '.join(KNOWN_SINKS)}")
+            if name in SINK_EXTRAS and importlib.util.find_spec(SINK_EXTRAS[name][0]) is None:
+                raise ValueError(f"metrics.sinks: {name} needs the `{SINK_EXTRAS[name][0]}` package, which "
+                                 f"is not installed here: pip install 'milepost[{SINK_EXTRAS[name][1]}]' "
+                                 f"(in every environment that runs stages), or remove {name}")
+        if len(set(sinks)) != len(sinks):
+            raise ValueError(f"metrics.sinks lists a sink twice ({list(sinks)}); name each once")
+        return sinks
+
+
 # --- cluster: where the block's stages run ----------------------------------------------
 # sbatch long options (Slurm 22.05) that may be passed through `extra`.
 EXTRA_DIRECTIVES = frozenset("""
@@ -439,6 +498,7 @@ class Recipe(Section):
     loop: LoopConfig = LoopConfig()
     eval: EvalConfig = EvalConfig()
     cluster: ClusterConfig = ClusterConfig()
+    metrics: MetricsConfig = MetricsConfig()
 
     @model_validator(mode="after")
     def _check_cross_field(self) -> "Recipe":

@@ -89,16 +89,18 @@ class RLLoop:
                  checkpoints: CheckpointManager, exports_dir: Path, stop_token_ids: list[int],
                  decode: Callable[[list[int]], str], state: LoopState,
                  on_metrics: Callable[[dict[str, Any]], None],
-                 engines_asleep: Callable[[], ContextManager[None]] | None = None) -> None:
+                 engines_asleep: Callable[[], ContextManager[None]] | None = None,
+                 on_commit: Callable[[int], None] | None = None) -> None:
         """`engines_asleep` (colocated placement): a context in which the engines have given
         their memory back; each train step runs inside it and the weight push after it wakes
-        them (FleetTransport.asleep)."""
+        them (FleetTransport.asleep). `on_commit(step)`: after the checkpoint of `step` is
+        committed (the metrics sinks take committed steps only)."""
         self.recipe, self.backend, self.router, self.engines = recipe, backend, router, engines
         self.engines_asleep = engines_asleep or nullcontext
         self.source, self.rollout_fn, self.rewards = source, rollout_fn, rewards
         self.transport, self.checkpoints, self.exports_dir = transport, checkpoints, exports_dir
         self.stop_token_ids, self.decode, self.state = stop_token_ids, decode, state
-        self.on_metrics = on_metrics
+        self.on_metrics, self.on_commit = on_metrics, on_commit
         self.ahead = RolloutAhead(
             source, self.generate_chunk, prompts_per_step=recipe.rollout.prompts_per_step,
             max_staleness=recipe.loop.max_staleness, policy_version=state.policy_version,
@@ -191,3 +193,5 @@ class RLLoop:
                  "cursor": self.state.cursor, "rollout_chunks": self.state.rollout_chunks,
                  "metrics": self.state.metrics, "model_sha256": self.state.model_sha256}
         self.checkpoints.save(self.state.step, state, payload)
+        if self.on_commit is not None:
+            self.on_commit(self.state.step)

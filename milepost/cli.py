@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="show a campaign's blocks, evals and latest checkpoint")
     status.add_argument("campaign", help="campaign store URL or folder")
     status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument("--plot", metavar="OUT.png",
+                        help="also draw reward, held-out accuracy, KL, entropy, response length, staleness "
+                             "and step time against step, with block starts and restarts marked")
     air = sub.add_parser("airflow", help="start or stop a local Airflow (standalone) running the project's DAGs")
     air.add_argument("action", choices=("up", "down", "status"))
     air.add_argument("--work", default="runs/airflow", help="its folder: AIRFLOW_HOME, log, pid (default %(default)s)")
@@ -99,6 +102,14 @@ def _cmd_status(args: argparse.Namespace) -> int:
     except ValueError as e:
         return _bad_input(e)
     print(json.dumps(status, indent=2) if args.json else format_status(status))
+    if args.plot:
+        from milepost.tasks.status import write_plot
+
+        try:
+            write_plot(args.campaign, args.plot)
+        except ValueError as e:
+            return _bad_input(e)
+        print(f"plot: {args.plot}", file=sys.stderr if args.json else sys.stdout)
     return EXIT_OK
 
 

@@ -74,9 +74,12 @@ def sync(ctx: StageContext) -> dict[str, Any]:
 
 def evaluate(ctx: StageContext) -> dict[str, Any]:
     from milepost.core.evaluate import evaluate_fleet
+    from milepost.core.metrics.publish import publish_eval
 
     fleet = ctx.attach_fleet()
     try:
-        return {"eval": evaluate_fleet(ctx.recipe, fleet, ctx.model_path())}
+        result = {"eval": evaluate_fleet(ctx.recipe, fleet, ctx.model_path())}
     finally:
         fleet.detach()
+    publish_eval(ctx.recipe, ctx.store, ctx.last_step(), result["eval"])
+    return result

@@ -56,3 +56,22 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append(f"  latest checkpoint: step {ck['step']}, policy v{ck['policy_version']}, "
                      f"sha256 {ck['model_sha256'][:12]}…")
     return "\n".join(lines)
+
+
+def write_plot(url: str, out_path: str) -> None:
+    """`--plot`: the campaign's curves (core/metrics/plot.py) into `out_path`. ValueError, saying
+    what to do, when matplotlib is missing or the file cannot be written."""
+    import importlib.util
+    from pathlib import Path
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--plot needs matplotlib, which is not installed here: pip install 'milepost[plot]'")
+    out = Path(out_path)
+    if not out.parent.is_dir():
+        raise ValueError(f"--plot {out_path}: folder {out.parent} does not exist; create it or pick another path")
+    from milepost.core.metrics.plot import plot_campaign
+
+    try:
+        plot_campaign(url, out_path)
+    except OSError as e:
+        raise ValueError(f"--plot {out_path}: cannot write it ({e.strerror}); pick a writable path") from None

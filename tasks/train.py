@@ -15,6 +15,7 @@ from tqdm import tqdm
 from milepost.core.data.source import DataCursor, PromptSource, load_rows
 from milepost.core.engine.fleet import FleetTransport
 from milepost.core.loop import LoopState, RLLoop
+from milepost.core.metrics.publish import eval_rows, open_sinks, record_train_start
 from milepost.core.model.loading import load_tokenizer
 from milepost.core.reward import RewardEvaluator, resolve_reward_fn
 from milepost.core.rollout import resolve_rollout_fn
@@ -59,8 +60,10 @@ def _train(ctx: StageContext, fleet: Any, tokenizer: Any, start_path: str) -> di
                              temperature=recipe.rollout.temperature, seed=recipe.seed,
                              total_steps=recipe.campaign.num_blocks * recipe.campaign.steps_per_block,
                              placement_group=fleet.placement_group)
+    sinks = open_sinks(recipe, store)
     try:
         state = _restore(ctx, backend)
+        record_train_start(store, block, state.step)
         rows = load_rows(recipe.data.train_path, recipe.data.prompt_key, recipe.data.label_key,
                          builtin_rows=recipe.data.num_train_rows, seed=recipe.seed)
         cursor = (DataCursor.from_dict(state.cursor) if state.cursor
@@ -70,6 +73,10 @@ def _train(ctx: StageContext, fleet: Any, tokenizer: Any, start_path: str) -> di
         block_first = last_step - recipe.campaign.steps_per_block + 1
         # Metrics after the checkpoint were never committed: rewrite the file from the checkpoint.
         store.write_metrics(block, [m for m in state.metrics if m["step"] >= block_first])
+        # The sinks take committed steps only: what the checkpoint holds (a killed stage may
+        # have committed steps it did not publish), then each step as its checkpoint commits.
+        if sinks.sinks:
+            sinks.publish(state.metrics + eval_rows(store, recipe.campaign.steps_per_block))
         first_done: list[float] = []
         bar = tqdm(total=recipe.campaign.steps_per_block, initial=max(0, state.step - block_first + 1),
                    desc=f"block {block}", disable=not ctx.show_progress)
@@ -81,6 +88,9 @@ def _train(ctx: StageContext, fleet: Any, tokenizer: Any, start_path: str) -> di
             store.write_metrics(block, [m for m in loop.state.metrics if m["step"] >= block_first])
             bar.update(1)
             bar.set_postfix(reward=f"{row['rollout/reward_mean']:.3f}")
+
+        def on_commit(step: int) -> None:
+            sinks.publish([m for m in loop.state.metrics if m["step"] <= step])
 
         transport = FleetTransport(fleet, build_transport(recipe.sync))
         colocated = recipe.cluster.placement == "colocated"
@@ -95,7 +105,7 @@ def _train(ctx: StageContext, fleet: Any, tokenizer: Any, start_path: str) -> di
                       stop_token_ids=[tokenizer.eos_token_id],
                       decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                       state=state, on_metrics=on_metrics,
-                      engines_asleep=transport.asleep if colocated else None)
+                      engines_asleep=transport.asleep if colocated else None, on_commit=on_commit)
         _serve_checkpoint(fleet, transport, start_path, state.policy_version, backend)
         loop.run_until(last_step)
         bar.close()
@@ -104,6 +114,7 @@ def _train(ctx: StageContext, fleet: Any, tokenizer: Any, start_path: str) -> di
                 "policy_version": loop.state.policy_version,
                 "engine_restarts": fleet.restart_events()}
     finally:
+        sinks.close()
         backend.shutdown()
 
 
