@@ -146,13 +146,15 @@ class WeightSender:
         payload read twice would free the segment under the sender (measured: the second
         engine's next push found it gone). The buffer is reused by the next push: an engine
         copies a bucket before answering its /update_weights_from_tensor (SGLang loads it;
-        the built-in engine copies it into its shadows)."""
+        the built-in engine copies it into its shadows). Weights on a GPU go in a buffer on
+        that GPU, shared by CUDA IPC handle (SGLang's colocated format)."""
         pairs = self._gather(names)
         specs = [s for s, _ in pairs]
         offs, total = wire.offsets(specs)
+        device = pairs[0][1].device if pairs else torch.device("cpu")  # CUDA: shared by IPC handle
         flat = self._sglang_buffers.get(bucket)
-        if flat is None or flat.numel() < total:
-            flat = self._sglang_buffers[bucket] = sglang_wire.shared_buffer(total)
+        if flat is None or flat.numel() < total or flat.device != device:
+            flat = self._sglang_buffers[bucket] = sglang_wire.shared_buffer(total, device)
         self._copy([(wire.view(flat, o, spec), t) for (spec, t), o in zip(pairs, offs)])
         return [sglang_wire.encode(flat[:total], specs) for _ in range(copies)]
 

@@ -8,7 +8,8 @@ srt/managers/tp_worker.py:194 `deserialize_own_rank`). With `load_format:
 [FlattenedTensorMetadata(name, shape, dtype, start_idx, end_idx, numel)]}`
 (model_runner_components/weight_updater.py:383; srt/weight_sync/tensor_bucket.py): each
 tensor is `flattened_tensor[start_idx:end_idx].view(dtype).reshape(shape)`. The pickle is
-torch's multiprocessing reductions (`ForkingPickler`): CUDA IPC handles on GPU. On CPU the
+torch's multiprocessing reductions (`ForkingPickler`): CUDA IPC handles on GPU, the device
+by UUID (cuda_ipc.py). On CPU the
 storage travels by torch's `file_system` sharing (`rebuild_storage_filename`: a named
 shared-memory segment tracked by torch_shm_manager), which works between unrelated
 processes; torch's default `file_descriptor` strategy does not (FACTS.md).
@@ -24,7 +25,9 @@ torch.multiprocessing.reductions `rebuild_tensor`, `rebuild_typed_storage`,
 name of torch's pattern `/torch_<pid>_<n>_<n>` that exists in /dev/shm and holds the size
 claimed, a manager socket named `manager.sock`, a tensor inside its storage),
 `torch.Tensor`, `torch.Size`, `torch.storage.UntypedStorage`, the dtypes of wire.DTYPES,
-and SGLang's `FlattenedTensorMetadata` (read into the stand-in). Then the object's shape
+SGLang's `FlattenedTensorMetadata` (read into the stand-in), and on GPU
+`rebuild_cuda_tensor` (torch's or SGLang's patched name; cuda_ipc checks its arguments)
+with `torch.storage.TypedStorage` read as a marker, never as a class. Then the object's shape
 is checked: the two keys, a 1-D uint8 tensor, metadata inside it.
 """
 
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import base64
 import copyreg
+import functools
 import io
 import os
 import pickle
@@ -41,7 +45,7 @@ from typing import Any
 
 import torch
 
-from milepost.core.weight_sync import wire
+from milepost.core.weight_sync import cuda_ipc, wire
 
 SGLANG_METADATA = ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")
 _SEGMENT = re.compile(rb"^/torch_\d+_\d+_\d+$")
@@ -78,6 +82,15 @@ def _reduce_storage_file_system(storage: torch.UntypedStorage) -> tuple[Any, tup
     return rebuild_storage_filename, (type(storage),) + meta
 
 
+def _reduce_tensor(tensor: torch.Tensor) -> tuple[Any, tuple]:
+    """CUDA: by IPC handle, the device by UUID; CPU: torch's reduction (its storage by
+    `_reduce_storage_file_system`)."""
+    if tensor.is_cuda:
+        return cuda_ipc.reduce_cuda_tensor(tensor)
+    from torch.multiprocessing.reductions import reduce_tensor
+    return reduce_tensor(tensor)
+
+
 class _Pickler(pickle._Pickler):
     """ForkingPickler's reductions, CPU storages by file_system, the stand-in metadata
     class under SGLang's module and name."""
@@ -88,7 +101,7 @@ class _Pickler(pickle._Pickler):
 
         import torch.multiprocessing.reductions  # noqa: F401 - registers torch's reducers
         self.dispatch_table = {**copyreg.dispatch_table, **ForkingPickler._extra_reducers,
-                               torch.UntypedStorage: _reduce_storage_file_system}
+                               torch.UntypedStorage: _reduce_storage_file_system, torch.Tensor: _reduce_tensor}
 
     def save_global(self, obj: Any, name: str | None = None) -> None:
         if obj is FlattenedTensorMetadata:
@@ -100,20 +113,23 @@ class _Pickler(pickle._Pickler):
         super().save_global(obj, name)
 
 
-def shared_buffer(nbytes: int) -> torch.Tensor:
-    """A 1-D uint8 buffer in a named shared-memory segment (torch's file_system sharing),
-    to write buckets into and `encode` again and again with no copy. Not
+def shared_buffer(nbytes: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A 1-D uint8 buffer to write buckets into and `encode` again and again with no copy.
+    On a GPU a plain CUDA allocation (shared by IPC handle when encoded); on CPU a named
+    shared-memory segment (torch's file_system sharing). Not
     `share_memory_()`: under torch's default strategy that shares by file descriptor, and
     the name such a storage reports later does not exist (measured: a second push failed
     with "unable to open shared memory object")."""
+    if torch.device(device).type == "cuda":
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
     flat = torch.empty(nbytes, dtype=torch.uint8)
     flat.untyped_storage()._share_filename_cpu_()
     return flat
 
 
 def encode(flat: torch.Tensor, specs: list[wire.Spec]) -> str:
-    """The base64 payload of one flattened bucket: `flat` (1-D uint8, CPU) holds `specs`
-    back to back, in a `shared_buffer` (a storage not yet shared moves into a named segment:
+    """The base64 payload of one flattened bucket: `flat` (1-D uint8, CPU or CUDA) holds
+    `specs` back to back, in a `shared_buffer` (a storage not yet shared moves into a named segment:
     a copy; one shared by file descriptor, e.g. by `share_memory_()`, names a segment that
     is gone by the next push)."""
     if flat.dtype != torch.uint8 or flat.dim() != 1:
@@ -175,6 +191,9 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("torch", "Tensor"): torch.Tensor, ("torch", "Size"): torch.Size,
     ("torch.storage", "UntypedStorage"): torch.UntypedStorage, ("torch", "UntypedStorage"): torch.UntypedStorage,
     SGLANG_METADATA: FlattenedTensorMetadata,
+    cuda_ipc.REBUILD: functools.partial(cuda_ipc.rebuild_cuda_tensor, dtypes=_DTYPES),
+    cuda_ipc.SGLANG_REBUILD: functools.partial(cuda_ipc.rebuild_cuda_tensor, dtypes=_DTYPES),
+    ("torch.storage", "TypedStorage"): cuda_ipc.STORAGE_CLASS,
     **{("torch", name): dtype for name, dtype in wire.DTYPES.items()},
 }
 

@@ -51,14 +51,7 @@ class SGLangMissing(RuntimeError):
 
 def load() -> types.SimpleNamespace:
     """The oracle's pieces; SGLangMissing (a failure, never a skip) if SGLang is absent."""
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        found = version("sglang")
-    except PackageNotFoundError:
-        raise SGLangMissing(f"SGLang {SGLANG_VERSION} is not installed, so the conformance tests have no "
-                            f"oracle: {INSTALL}") from None
-    if found != SGLANG_VERSION:
-        raise SGLangMissing(f"SGLang {found} is installed; the protocol was read from {SGLANG_VERSION}: {INSTALL}")
+    _check_installed()
     if "sglang.srt.managers.io_struct" not in sys.modules:
         _import_pieces()
     from sglang.srt.entrypoints.api_contract import generate_contract_error
@@ -71,7 +64,40 @@ def load() -> types.SimpleNamespace:
                                  FlattenedTensorBucket=FlattenedTensorBucket)
 
 
+def load_weight_pieces() -> types.SimpleNamespace:
+    """Only what a TP rank uses to take a tensor payload (no request classes): the
+    serializer, the flattened bucket and the torch reductions patch (CUDA devices by UUID),
+    which SGLang's TP worker applies before it unpickles. What the GPU tests import."""
+    _check_installed()
+    _import_common()
+    from sglang.srt.utils.common import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+    return types.SimpleNamespace(MultiprocessingSerializer=MultiprocessingSerializer,
+                                 FlattenedTensorBucket=FlattenedTensorBucket,
+                                 monkey_patch_torch_reductions=monkey_patch_torch_reductions)
+
+
+def _check_installed() -> None:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        found = version("sglang")
+    except PackageNotFoundError:
+        raise SGLangMissing(f"SGLang {SGLANG_VERSION} is not installed, so the conformance tests have no "
+                            f"oracle: {INSTALL}") from None
+    if found != SGLANG_VERSION:
+        raise SGLangMissing(f"SGLang {found} is installed; the protocol was read from {SGLANG_VERSION}: {INSTALL}")
+
+
 def _import_pieces() -> None:
+    _import_common()
+    sys.modules["sglang.srt.managers.schedule_batch"] = _schedule_batch_stub()
+    importlib.import_module("sglang.srt.managers.io_struct")
+
+
+def _import_common() -> None:
+    if "sglang.srt.utils.common" in sys.modules:
+        return
     spec = importlib.util.find_spec("sglang")  # a top-level spec runs no code
     assert spec is not None and spec.submodule_search_locations
     if "sglang" not in sys.modules:
@@ -83,7 +109,7 @@ def _import_pieces() -> None:
     import torch._dynamo  # noqa: F401
     import transformers.models.auto.image_processing_auto  # noqa: F401
     import transformers.models.auto.processing_auto  # noqa: F401
-    had_triton = "triton" in sys.modules
+    had_triton = "triton" in sys.modules or importlib.util.find_spec("triton") is not None  # the GPU machine has it
     if not had_triton:
         sys.modules["triton"] = types.ModuleType("triton")
     try:
@@ -91,8 +117,6 @@ def _import_pieces() -> None:
     finally:
         if not had_triton:
             del sys.modules["triton"]
-    sys.modules["sglang.srt.managers.schedule_batch"] = _schedule_batch_stub()
-    importlib.import_module("sglang.srt.managers.io_struct")
 
 
 def _schedule_batch_stub() -> types.ModuleType:

@@ -1,0 +1,146 @@
+"""Colocated weight sync on one GPU by CUDA IPC (SGLang's tensor payload) vs a device copy.
+
+Two processes on one GPU, as a colocated trainer and engine: the trainer copies its
+weights bucket by bucket into a reused CUDA buffer and sends SGLang's pickled
+flattened-bucket payload (sglang_wire.encode: an IPC handle, the device by UUID) over a
+pipe; the engine decodes it through milepost's allow-list (sglang_wire.decode) and copies
+each tensor into its own weights, then answers. Measured side by side in one run: one push
+of every weight that way, and one device-to-device copy of the same bytes in one process
+(the floor the push is measured against: the push itself copies the bytes twice). No HTTP:
+this measures the payload's mechanism (handles, pickling, two copies), not a server.
+
+    python bench/cuda_ipc_sync.py [--params-gb 0.99] [--bucket-mb 512] [--pushes 5]
+
+Prints the table and writes it to bench/results/cuda_ipc_sync.txt (with the device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import datetime
+import multiprocessing as mp
+import time
+from pathlib import Path
+
+import torch
+
+from milepost.core.weight_sync import sglang_wire, wire
+
+RESULTS = Path(__file__).parent / "results" / "cuda_ipc_sync.txt"
+LAYER = [("q", [896, 896]), ("k", [128, 896]), ("v", [128, 896]), ("o", [896, 896]),
+         ("gate", [4864, 896]), ("up", [4864, 896]), ("down", [896, 4864]), ("norm", [896])]
+
+
+def model_specs(params_gb: float) -> list[wire.Spec]:
+    """Qwen2-0.5B-shaped bf16 layers (and its embedding) up to about `params_gb` GB."""
+    specs = [{"name": "embed", "dtype": "bfloat16", "shape": [151936, 896]}]
+    i = 0
+    while sum(wire.spec_nbytes(s) for s in specs) < params_gb * 1e9:
+        specs += [{"name": f"layers.{i}.{n}", "dtype": "bfloat16", "shape": shape} for n, shape in LAYER]
+        i += 1
+    return specs
+
+
+def buckets(specs: list[wire.Spec], bucket_bytes: int) -> list[list[wire.Spec]]:
+    out: list[list[wire.Spec]] = [[]]
+    for s in specs:
+        if out[-1] and wire.offsets(out[-1])[1] + wire.spec_nbytes(s) > bucket_bytes:
+            out.append([])
+        out[-1].append(s)
+    return out
+
+
+def trainer(conn, results, specs: list[wire.Spec], bucket_bytes: int, pushes: int) -> None:  # noqa: ANN001
+    weights = {s["name"]: torch.randn(s["shape"], device="cuda").to(torch.bfloat16) for s in specs}
+    plan = buckets(specs, bucket_bytes)
+    flat = sglang_wire.shared_buffer(max(wire.offsets(b)[1] for b in plan), "cuda")
+    times = []
+    for _ in range(pushes):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for bucket in plan:
+            offs, total = wire.offsets(bucket)
+            for spec, off in zip(bucket, offs):
+                wire.view(flat, off, spec).copy_(weights[spec["name"]])
+            conn.send(sglang_wire.encode(flat[:total], bucket))
+            conn.recv()  # the engine copied it in: the buffer may be written again
+        times.append(time.perf_counter() - start)
+    conn.send(None)
+    results.put({"times": times, "buckets": len(plan)})
+
+
+def engine(conn, specs: list[wire.Spec], keep_mappings: bool) -> None:  # noqa: ANN001
+    """`keep_mappings`: hold the last bucket decoded from each trainer buffer, so the next
+    push's handle (the trainer reuses its buffer) is found in torch's cache instead of being
+    opened again (cudaIpcOpenMemHandle); SGLang drops it after each load."""
+    mine = {s["name"]: torch.empty(s["shape"], dtype=torch.bfloat16, device="cuda") for s in specs}
+    held = []
+    while (payload := conn.recv()) is not None:
+        flat, got = sglang_wire.decode(base64.b64decode(payload))
+        for spec in got:
+            mine[spec["name"]].copy_(wire.view(flat, spec["offset"], spec))
+        torch.cuda.synchronize()
+        held = [flat] if keep_mappings else []
+        del flat
+        conn.send("ok")
+    del held
+
+
+def device_copy_s(nbytes: int, repeats: int = 5) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats
+
+
+def push(specs: list[wire.Spec], args: argparse.Namespace, keep_mappings: bool) -> dict:
+    ctx = mp.get_context("spawn")
+    to_engine, to_trainer = ctx.Pipe()
+    results = ctx.Queue()
+    procs = [ctx.Process(target=trainer, args=(to_engine, results, specs, args.bucket_mb << 20, args.pushes)),
+             ctx.Process(target=engine, args=(to_trainer, specs, keep_mappings))]
+    for p in procs:
+        p.start()
+    measured = results.get(timeout=300)
+    for p in procs:
+        p.join(60)
+    return measured
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params-gb", type=float, default=0.99)
+    parser.add_argument("--bucket-mb", type=int, default=512)
+    parser.add_argument("--pushes", type=int, default=5)
+    args = parser.parse_args()
+    specs = model_specs(args.params_gb)
+    nbytes = sum(wire.spec_nbytes(s) for s in specs)
+    rows = {keep: push(specs, args, keep) for keep in (False, True)}
+    copy_s = device_copy_s(nbytes)
+    lines = [f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {torch.cuda.get_device_name()}, "
+             f"torch {torch.__version__}: python bench/cuda_ipc_sync.py --params-gb {args.params_gb} "
+             f"--bucket-mb {args.bucket_mb} --pushes {args.pushes}",
+             f"weights: {len(specs)} bf16 tensors, {nbytes / 1e9:.3f} GB, {rows[False]['buckets']} buckets",
+             f"device copy of the same bytes, one process: {copy_s:.4f} s = {nbytes / copy_s / 1e9:.1f} GB/s"]
+    for keep, measured in rows.items():
+        push_s = min(measured["times"][1:] or measured["times"])  # the first push maps the handles
+        how = "engine keeps the mapping" if keep else "engine opens each handle (as SGLang)"
+        lines.append(f"push by CUDA IPC, {how}: trainer copy + payload + engine copy, best of "
+                     f"{len(measured['times'])} (first {measured['times'][0]:.4f} s): {push_s:.4f} s = "
+                     f"{nbytes / push_s / 1e9:.1f} GB/s, vs device copy {copy_s / push_s:.3f}")
+    best = min(min(m["times"][1:] or m["times"]) for m in rows.values())
+    lines.append(f"tensor_sync_vs_copy: {copy_s / best:.3f}")
+    text = "\n".join(lines) + "\n"
+    print(text, end="")
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
