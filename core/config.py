@@ -135,8 +135,6 @@ class SglangConfig(Section):
     enable_return_routed_experts: bool = Field(
         False, description="SGLang --enable-return-routed-experts: responses carry the routed experts "
                            "(MoE routing replay). Needs an MoE model.")
-    enable_deterministic_inference: bool = Field(
-        False, description="SGLang --enable-deterministic-inference (batch-invariant kernels; slower).")
     extra_args: tuple[str, ...] = Field(
         (), description="More `sglang.launch_server` arguments, one list item per argv word, e.g. "
                         "[--attention-backend, fa3]. Flags milepost sets itself are refused.")
@@ -171,6 +169,12 @@ class RolloutConfig(Section):
     max_prompt_tokens: int = Field(
         512, ge=1, description="Longest prompt in tokens; `milepost plan` sizes the engines' KV cache and "
                                "the trainer's sequences with it.")
+    deterministic_inference: bool = Field(
+        False, description="Outputs and logprobs that do not depend on the batch a request runs in "
+                           "(--enable-deterministic-inference: SGLang's batch-invariant kernels; the "
+                           "built-in engine decodes each sequence alone). Slower; what makes a resumed "
+                           "run bitwise the uninterrupted one, since the trainer uses the engines' "
+                           "logprobs.")
     engine: Literal["builtin", "sglang"] = Field(
         "builtin", description="builtin: milepost's own engine (CPU, or one GPU). sglang: "
                                "`python -m sglang.launch_server` on GPU bundles (pip install milepost[sglang]).")

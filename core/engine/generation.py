@@ -134,8 +134,16 @@ class Generator:
     """
 
     def __init__(self, model: torch.nn.Module, eos_token_ids: list[int], pad_token_id: int = 0,
-                 decode: Callable[[list[int]], str] | None = None) -> None:
+                 decode: Callable[[list[int]], str] | None = None, batch_invariant: bool = False) -> None:
+        """`batch_invariant` (SGLang's --enable-deterministic-inference): every sequence is
+        decoded alone, so its logprobs do not depend on what else is in the batch. In a batch
+        they do, by ~1e-6 (the matmuls' blocking and the padded attention width change with
+        the batch), and the trainer uses them (TIS): a step whose requests were batched
+        differently trains different low bits, and a resumed run is no longer bitwise the
+        uninterrupted one. Tokens are the same either way (each sequence samples from its
+        own generator). Costs a forward per sequence and token instead of per batch."""
         self.model = model
+        self.batch_invariant = batch_invariant
         self.eos_token_ids = set(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.decode = decode  # needed only for stop strings
@@ -155,6 +163,17 @@ class Generator:
     def run_batch(self, seqs: list[Sequence], model_lock: threading.Lock | None = None,
                   step_hook: Callable[[], bool] | None = None) -> bool:
         """Generate for every sequence; returns False if retracted (outputs reset)."""
+        if not self.batch_invariant or len(seqs) <= 1:
+            return self._run_together(seqs, model_lock, step_hook)
+        for s in seqs:
+            if not self._run_together([s], model_lock, step_hook):
+                for other in seqs:
+                    other.reset()
+                return False
+        return True
+
+    def _run_together(self, seqs: list[Sequence], model_lock: threading.Lock | None,
+                      step_hook: Callable[[], bool] | None) -> bool:
         for s in seqs:
             s.reset()
         gens = [torch.Generator().manual_seed(s.seed) for s in seqs]

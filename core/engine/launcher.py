@@ -34,8 +34,7 @@ ENGINE_MODULES = {"builtin": "milepost.core.engine.server", "sglang": "sglang.la
 # `check_supported` here (before any launch) and by the server's own argument parser.
 BUILTIN_UNSUPPORTED = {"tp_size": 1, "dp_size": None, "ep_size": None, "nnodes": 1, "node_rank": 0,
                        "dist_init_addr": None, "mem_fraction_static": None,
-                       "enable_return_routed_experts": False, "enable_deterministic_inference": False,
-                       "extra_args": ()}
+                       "enable_return_routed_experts": False, "extra_args": ()}
 
 
 class Deferred(str):
@@ -179,13 +178,14 @@ def engine_command(cfg: RolloutConfig, model_path: str, weight_version: str, *, 
                   config_path=ADMIN_CONFIG if admin_key else None, load_delay_s=load_delay_s,
                   python=python or PYTHON)
     if cfg.engine == "builtin":
-        cmd = EngineCommand(**common, tp_size=cfg.engine_tensor_parallel)
+        cmd = EngineCommand(**common, tp_size=cfg.engine_tensor_parallel,
+                            enable_deterministic_inference=cfg.deterministic_inference)
     else:
         cmd = EngineCommand(**common, nccl_port=FREE_NCCL_PORT, tp_size=cfg.engine_tensor_parallel,
                             dp_size=s.dp_size, ep_size=s.ep_size, mem_fraction_static=s.mem_fraction_static,
                             enable_memory_saver=colocated,
                             enable_return_routed_experts=s.enable_return_routed_experts,
-                            enable_deterministic_inference=s.enable_deterministic_inference,
+                            enable_deterministic_inference=cfg.deterministic_inference,
                             extra_args=tuple(s.extra_args))
     cmd.check_supported()
     return cmd

@@ -88,8 +88,9 @@ class Scheduler:
     """
 
     def __init__(self, model_path: str, weight_version: str = "0", max_batch_size: int = 512,
-                 weight_update_timeout_s: float = 300.0) -> None:
+                 weight_update_timeout_s: float = 300.0, deterministic: bool = False) -> None:
         self.model_path, self.weight_version, self.max_batch_size = model_path, weight_version, max_batch_size
+        self.deterministic = deterministic  # --enable-deterministic-inference: batch-invariant outputs
         self.ready, self.load_error = False, None
         self.model_lock = threading.Lock()
         self._cv = threading.Condition()
@@ -111,7 +112,7 @@ class Scheduler:
         decode = self.tokenizer.decode if self.tokenizer else None
         self.vocab_size = cfg.vocab_size
         self.context_len = getattr(cfg, "max_position_embeddings", None)
-        self.generator = Generator(self.model, eos, cfg.pad_token_id or 0, decode)
+        self.generator = Generator(self.model, eos, cfg.pad_token_id or 0, decode, batch_invariant=self.deterministic)
         threading.Thread(target=self._loop, daemon=True, name="engine-scheduler").start()
         self.ready = True
 
@@ -574,6 +575,7 @@ def create_app(sched: Scheduler) -> FastAPI:
         return {"model_path": sched.model_path, "served_model_name": sched.model_path, "dp_size": 1,
                 "tp_size": 1, "device": "cpu",  # the weight-update group: gloo (groups.choose_backend)
                 "weight_version": sched.weight_version, "max_batch_size": sched.max_batch_size,
+                "enable_deterministic_inference": sched.deterministic,
                 "max_gloo_streams": MAX_GLOO_STREAMS,  # /init_weights_update_group takes `gloo_streams`
                 "accepts_push_id": True,  # /pause_generation and /continue_generation take `push_id`
                 "end_weight_update_abort": True,  # /end_weight_update takes `abort` (discards the session)
@@ -589,10 +591,11 @@ def create_app(sched: Scheduler) -> FastAPI:
 
 def serve(model_path: str, host: str, port: int, weight_version: str = "0", max_batch_size: int = 512,
           weight_update_timeout_s: float = 300.0, admin_api_key: str | None = None,
-          max_body_mb: float = DEFAULT_MAX_BODY_MB) -> None:
+          max_body_mb: float = DEFAULT_MAX_BODY_MB, deterministic: bool = False) -> None:
     """Bind at once (health answers 503), load the model in the background, serve forever.
-    `admin_api_key`: admin endpoints need it (http_guard.py); None leaves them open."""
-    sched = Scheduler(model_path, weight_version, max_batch_size, weight_update_timeout_s)
+    `admin_api_key`: admin endpoints need it (http_guard.py); None leaves them open.
+    `deterministic`: outputs that do not depend on the batch (generation.Generator)."""
+    sched = Scheduler(model_path, weight_version, max_batch_size, weight_update_timeout_s, deterministic)
     threading.Thread(target=load_engine, args=(sched,), daemon=True, name="engine-load").start()
     app = guard(create_app(sched), admin_api_key, int(max_body_mb * 2**20))
     uvicorn.run(app, host=host, port=port, log_level="warning")
@@ -609,7 +612,7 @@ def admin_key_from_args(key: str | None, key_file: str | None) -> str | None:
 # launcher renders SGLang's flags for both engines: core/engine/launcher.py).
 REFUSED_FLAGS = {"tp_size": 1, "dp_size": 1, "ep_size": 1, "nnodes": 1, "node_rank": 0, "base_gpu_id": 0,
                  "dist_init_addr": None, "mem_fraction_static": None, "nccl_port": None,
-                 "enable_return_routed_experts": False, "enable_deterministic_inference": False}
+                 "enable_return_routed_experts": False}
 LOAD_FAILED_EXIT = 3  # exit status of an engine whose model failed to load
 
 
@@ -646,7 +649,9 @@ def build_parser() -> argparse.ArgumentParser:
                        ("--mem-fraction-static", float), ("--nccl-port", int)):
         ap.add_argument(flag, type=kind, default=REFUSED_FLAGS[flag[2:].replace("-", "_")], help=argparse.SUPPRESS)
     ap.add_argument("--enable-return-routed-experts", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--enable-deterministic-inference", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--enable-deterministic-inference", action="store_true",
+                    help="SGLang's flag: outputs and logprobs that do not depend on the batch a request "
+                         "runs in (each sequence decoded alone; slower)")
     return ap
 
 
@@ -707,7 +712,8 @@ def main(argv: list[str] | None = None) -> None:
 
     load_engine = load_or_exit
     serve(a.model_path, a.host, a.port, a.weight_version, a.max_batch_size, a.weight_update_timeout_s,
-          admin_key_from_args(a.admin_api_key, a.admin_api_key_file), a.max_request_body_mb)
+          admin_key_from_args(a.admin_api_key, a.admin_api_key_file), a.max_request_body_mb,
+          a.enable_deterministic_inference)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,9 @@ ROOT = Path(__file__).resolve().parents[2]
 RECIPE = "recipes/tiny-arith.yaml"
 NONDETERMINISTIC = ("timing/",)  # metric keys that differ between identical runs
 
-MODES = {"sync": ("loop.max_staleness=0",),
+# sync: batch-invariant engines, or the final sha would differ from the reference by how the
+# engine happened to batch requests (its logprobs feed the trainer); see test_kill_resume.py.
+MODES = {"sync": ("loop.max_staleness=0", "rollout.deterministic_inference=true"),
          "async": ("loop.max_staleness=1", "cluster.placement=disaggregated")}
 EXECUTORS = {"local": (),
              "slurm": ("cluster.executor=slurm", "cluster.num_nodes=2", "cluster.slurm.time_min=30")}

@@ -1,9 +1,13 @@
 """SIGKILL `milepost run` at random moments, rerun, and lose or repeat nothing.
 
-Sync mode: the reference campaign runs uninterrupted; the other is killed (SIGKILL, no
-clean-up) at seeded-random moments in block 0 and block 1, rerun each time, and must end
-with the same `model_sha256`, the same per-step metrics (timings aside) and exactly the same
-prompts. Async mode (max_staleness 1): killed at three moments, it must train every prompt
+Sync mode, with every weight transport: the reference campaign runs uninterrupted; the
+other is killed (SIGKILL, no clean-up) at seeded-random moments in block 0 and block 1,
+rerun each time, and must end with the same `model_sha256`, the same per-step metrics
+(timings aside) and exactly the same prompts. The engines run batch-invariant
+(`rollout.deterministic_inference`): otherwise their logprobs, which the trainer uses, move
+in the low bits with how requests happened to be batched, and no two runs are bitwise equal.
+The model is warm-started as the recipe does, so rewards are non-zero and RL moves the
+weights (checked: an equality of unchanged weights would prove nothing). Async mode (max_staleness 1): killed at three moments, it must train every prompt
 of the epoch exactly once, with every step within the staleness bound.
 """
 
@@ -25,8 +29,15 @@ STEPS_PER_BLOCK = 6
 NUM_BLOCKS = 2
 PROMPTS_PER_STEP = 8
 SHAPE = cp.Shape(num_blocks=NUM_BLOCKS, steps_per_block=STEPS_PER_BLOCK, prompts_per_step=PROMPTS_PER_STEP,
-                 samples_per_prompt=4, checkpoint_every=2, warmstart_steps=60, eval_prompts=32)
+                 samples_per_prompt=4, checkpoint_every=2, eval_prompts=32)
 OVERRIDES = SHAPE.overrides()  # exactly one epoch
+BITWISE = ("rollout.deterministic_inference=true",)
+
+
+@pytest.fixture(scope="module")
+def model_cache(tmp_path_factory) -> Path:
+    """One cache (the warm-started tiny model) for every campaign of this module."""
+    return tmp_path_factory.mktemp("cache")
 
 
 def _run_to_end(campaign: Path, cache: Path, log: Path, extra: tuple[str, ...] = ()) -> None:
@@ -55,19 +66,22 @@ def _final_state(campaign: Path) -> tuple[str, list[dict]]:
 
 
 @pytest.mark.slow
-def test_sigkilled_sync_campaign_resumes_bitwise_and_trains_each_prompt_once(tmp_path):
-    cache = tmp_path / "cache"
+@pytest.mark.parametrize("transport", ["disk", "tensor", "distributed"])
+def test_sigkilled_sync_campaign_resumes_bitwise_and_trains_each_prompt_once(transport, tmp_path, model_cache):
+    cache, extra = model_cache, (*BITWISE, f"sync.transport={transport}")
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     log = tmp_path / "runs.log"
-    _run_to_end(reference, cache, log)
+    _run_to_end(reference, cache, log, extra)
     ref_sha, ref_rows = _final_state(reference)
+    assert any(r["rollout/reward_mean"] > 0 for r in ref_rows), "no reward at all: RL would not move the weights"
+    assert len(set(cp.checkpoint_model_shas(reference).values())) > 1, "the weights never changed"
 
     rng = random.Random(20261203)
     kills = []
     for lowest, highest in ((1, STEPS_PER_BLOCK - 1), (STEPS_PER_BLOCK + 1, 2 * STEPS_PER_BLOCK - 1)):
         after_step, delay_s = rng.randint(lowest, highest), rng.uniform(0.0, 1.5)
-        kills.append((after_step, delay_s, _run_and_kill(killed, cache, log, after_step, delay_s)))
-    _run_to_end(killed, cache, log)
+        kills.append((after_step, delay_s, _run_and_kill(killed, cache, log, after_step, delay_s, extra)))
+    _run_to_end(killed, cache, log, extra)
     sha, rows = _final_state(killed)
 
     assert [r["step"] for r in rows] == list(range(1, NUM_BLOCKS * STEPS_PER_BLOCK + 1)), kills
@@ -80,8 +94,8 @@ def test_sigkilled_sync_campaign_resumes_bitwise_and_trains_each_prompt_once(tmp
 
 
 @pytest.mark.slow
-def test_sigkilled_async_campaign_trains_every_prompt_once_within_the_staleness_bound(tmp_path):
-    cache, campaign, log = tmp_path / "cache", tmp_path / "async", tmp_path / "runs.log"
+def test_sigkilled_async_campaign_trains_every_prompt_once_within_the_staleness_bound(tmp_path, model_cache):
+    cache, campaign, log = model_cache, tmp_path / "async", tmp_path / "runs.log"
     extra = ("loop.max_staleness=1", "cluster.placement=disaggregated")
     rng = random.Random(20261204)
     kills = []

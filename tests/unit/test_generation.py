@@ -41,6 +41,30 @@ def test_greedy_batched_equals_single(model) -> None:
                                    atol=1e-4, rtol=0)
 
 
+def _logprobs_alone_and_in_batches(gen: Generator) -> tuple[list[float], list[list[float]]]:
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, sampling_seed=3)
+    target = [5, 6, 7, 3, 8, 9, 4]
+    alone = _run(gen, [target], params)[0]
+    batched = []
+    for others in ([[5, 6, 7, 3, 8, 9, 4, 2, 2, 3]], [[6, 7, 3], [9, 9, 3, 4, 5]], PROMPTS * 4):
+        row = _run(gen, [target, *others], params)[0]
+        assert row.output_ids == alone.output_ids  # tokens never depend on the batch
+        batched.append(row.output_logprobs)
+    return alone.output_logprobs, batched
+
+
+def test_logprobs_depend_on_the_batch_unless_batch_invariant(model) -> None:
+    """What --enable-deterministic-inference is for: in a batch, a sequence's logprobs move
+    in their low bits with the batch's size and padding (if this ever stops holding, the
+    default mode is batch-invariant too and the flag's cost can go); decoded alone, they
+    are bitwise the same in any batch."""
+    alone, batched = _logprobs_alone_and_in_batches(Generator(model, eos_token_ids=[1]))
+    assert any(row != alone for row in batched)
+    assert max(abs(a - b) for row in batched for a, b in zip(row, alone)) < 1e-4
+    alone, batched = _logprobs_alone_and_in_batches(Generator(model, eos_token_ids=[1], batch_invariant=True))
+    assert all(row == alone for row in batched)
+
+
 def test_same_seed_same_output(model) -> None:
     gen = Generator(model, eos_token_ids=[1])
     params = SamplingParams(max_new_tokens=10, temperature=1.0, top_p=0.9, top_k=20, sampling_seed=7)
