@@ -110,7 +110,7 @@ class StageContext:
         self.connect()
         fleet = Fleet.attach(doc, self.recipe.rollout, on_change=self.write_fleet,
                              admin_key_path=self.engine_admin_key_path())
-        _replace_dead_router(fleet)
+        fleet.replace_router_if_dead()
         return fleet
 
     def engine_admin_key_path(self) -> str:
@@ -142,24 +142,3 @@ def _check_reachable(address: str, launch: dict[str, Any]) -> None:
         socket.create_connection((host, int(port)), timeout=5).close()
     except OSError as e:
         raise RuntimeError(f"the block's Ray head {address} does not answer ({e}): its cluster is gone") from e
-
-
-def _replace_dead_router(fleet: Any) -> None:
-    """The fleet's supervisor restarts dead engines, not a dead router: a stage that attaches
-    to a fleet whose sglang-router process is gone (killed, crashed) starts a fresh one (a new
-    RouterActor in front of the same engines; fleet.json records it), instead of retrying
-    its requests against the dead one until the router client's window runs out."""
-    import httpx
-    import ray
-
-    try:
-        if fleet.router_url and httpx.get(f"{fleet.router_url}/health", timeout=10.0).status_code == 200:
-            return
-    except httpx.HTTPError:
-        pass
-    with fleet.lock:
-        if fleet.router_actor is not None:
-            ray.kill(fleet.router_actor, no_restart=True)  # its router subprocess dies with it
-        fleet.router = fleet._start_router()
-        fleet._connect_router()
-    fleet._changed()

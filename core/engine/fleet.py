@@ -188,6 +188,28 @@ class Fleet:
                                             window_s=self.cfg.engine_startup_timeout_s + 60,
                                             check=self.raise_if_failed)
 
+    def replace_router_if_dead(self) -> bool:
+        """The supervisor restarts dead engines, not a dead router: a stage that attaches to a
+        fleet whose sglang-router process is gone (killed, crashed) starts a fresh one in
+        front of the same engines (a new RouterActor; the fleet document records it) instead
+        of retrying its requests against the dead one until the client's window runs out.
+        Returns True when it replaced the router."""
+        import httpx
+        import ray
+
+        try:
+            if self.router_url and httpx.get(f"{self.router_url}/health", timeout=10.0).status_code == 200:
+                return False
+        except httpx.HTTPError:
+            pass
+        with self.lock:
+            if self.router_actor is not None:
+                ray.kill(self.router_actor, no_restart=True)  # its router subprocess dies with it
+            self.router = self._start_router()
+            self._connect_router()
+        self._changed()
+        return True
+
     def actor_options(self, name: str) -> dict[str, Any]:
         """Ray options of an actor of this fleet: detached and named when the fleet outlives
         its stage. Names get a random suffix: a stage killed mid-restart may leave a name taken."""
