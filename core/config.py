@@ -214,10 +214,22 @@ class RewardConfig(Section):
     num_workers: int = Field(2, ge=1, description="Threads that evaluate rewards concurrently.")
 
 
+# Extension points (algo.advantage, algo.loss, filters.functions, hooks.*) take a registered
+# name or an import path: which names exist and whether a path loads and has the right
+# signature is checked at start-up by core/extensions.py (the registries live beside the
+# code that calls them, which imports this module).
+PLUGIN_SPEC = ("a registered name, or an import path `my_pkg.module:function` / `path/to/file.py:function` "
+               "(a relative path is read from the folder milepost runs in)")
+
+
 class FilterConfig(Section):
-    drop_zero_variance_groups: bool = True
-    max_response_tokens: int | None = Field(None, ge=1)
-    min_response_tokens: int | None = Field(None, ge=0)
+    drop_zero_variance_groups: bool = Field(
+        True, description="Built-in filter `zero_variance_groups`: drop groups whose rewards are all equal.")
+    max_response_tokens: int | None = Field(None, ge=1, description="Built-in length bound, inclusive.")
+    min_response_tokens: int | None = Field(None, ge=0, description="Built-in length bound, inclusive.")
+    functions: tuple[str, ...] = Field(
+        (), description="More filters, applied in order after the built-in ones: each " + PLUGIN_SPEC +
+                        "; fn(samples, context) -> (kept_samples, metrics).")
 
     @model_validator(mode="after")
     def _bounds_ordered(self) -> "FilterConfig":
@@ -229,8 +241,12 @@ class FilterConfig(Section):
 
 
 class AlgoConfig(Section):
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
-    loss: Literal["ppo", "gspo"] = "ppo"
+    advantage: str = Field(
+        "grpo", min_length=1, description="grpo, dr_grpo, rloo, reinforce_pp, or " + PLUGIN_SPEC +
+                                          "; fn(rewards: Tensor[G, n]) -> Tensor[G, n].")
+    loss: str = Field(
+        "ppo", min_length=1, description="ppo (clip-higher, dual clip), gspo, or " + PLUGIN_SPEC +
+                                         "; fn(inputs: PolicyLossInputs) -> (per_token_loss, clipfrac).")
     clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="Ratios below 1 - clip_low are clipped.")
     clip_high: float = Field(0.28, ge=0.0, description="Clip-higher (DAPO) upper bound.")
     dual_clip_c: float | None = Field(3.0, gt=1.0, description="Dual-clip bound for A<0; null disables.")
@@ -238,6 +254,16 @@ class AlgoConfig(Section):
     kl_type: Literal["k1", "k2", "k3"] = "k3"
     entropy_coef: float = Field(0.0, ge=0.0)
     tis_cap: float | None = Field(2.0, gt=0.0, description="Truncated importance sampling cap; null disables.")
+
+
+class HooksConfig(Section):
+    """User functions called at named moments of the loop (core/hooks.py). Each list holds
+    registered names or import paths, called in order."""
+
+    on_rollout: tuple[str, ...] = Field((), description="fn(samples, context): a step's scored samples.")
+    on_step_end: tuple[str, ...] = Field((), description="fn(metrics, context): a step's metrics row.")
+    on_checkpoint: tuple[str, ...] = Field((), description="fn(checkpoint, context): a committed checkpoint.")
+    on_block_end: tuple[str, ...] = Field((), description="fn(block, context): the block's steps are done.")
 
 
 class MegatronConfig(Section):
@@ -496,6 +522,7 @@ class Recipe(Section):
     reward: RewardConfig = RewardConfig()
     filters: FilterConfig = FilterConfig()
     algo: AlgoConfig = AlgoConfig()
+    hooks: HooksConfig = HooksConfig()
     train: TrainConfig = TrainConfig()
     sync: SyncConfig = SyncConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()

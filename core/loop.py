@@ -22,15 +22,17 @@ from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
-from milepost.core.algo.advantages import compute_advantages
+from milepost.core.algo.advantages import WHOLE_BATCH, compute_advantages
 from milepost.core.checkpoint import CheckpointManager
 from milepost.core.config import Recipe
 from milepost.core.data.source import PromptSource
 from milepost.core.engine.client import EngineClient
-from milepost.core.filters import filter_groups
+from milepost.core.filters import FilterChain
+from milepost.core.hooks import CommittedCheckpoint, Hooks
 from milepost.core.reward import RewardEvaluator, split_failed
 from milepost.core.rollout import RolloutFn, RolloutRequest, sampling_params_from
 from milepost.core.rollout_ahead import Chunk, RolloutAhead
+from milepost.core.step_context import StepContext
 from milepost.core.types import Prompt, Sample
 from milepost.core.weight_sync import WeightTransport
 
@@ -53,11 +55,12 @@ def span(timings: dict[str, float], name: str) -> Iterator[None]:
 
 
 def assign_advantages(samples: list[Sample], estimator: str) -> dict[str, float]:
-    """Group baselines per prompt group (ragged after filtering); REINFORCE++ normalises globally.
-    Returns `algo/single_sample_groups`: groups left with one sample, whose advantage is 0."""
+    """Group baselines per prompt group (ragged after filtering), with the `algo.advantage`
+    plugin `estimator`; those in WHOLE_BATCH (REINFORCE++) normalise globally. Returns
+    `algo/single_sample_groups`: groups left with one sample, whose advantage is 0."""
     if not samples:
         return {"algo/single_sample_groups": 0.0}
-    if estimator == "reinforce_pp":
+    if estimator in WHOLE_BATCH:
         values = compute_advantages(estimator, torch.tensor([[s.reward for s in samples]]))[0]
         for s, a in zip(samples, values.tolist()):
             s.advantage = a
@@ -90,31 +93,44 @@ class RLLoop:
                  decode: Callable[[list[int]], str], state: LoopState,
                  on_metrics: Callable[[dict[str, Any]], None],
                  engines_asleep: Callable[[], ContextManager[None]] | None = None,
-                 on_commit: Callable[[int], None] | None = None) -> None:
+                 on_commit: Callable[[int], None] | None = None,
+                 filters: FilterChain | None = None, hooks: Hooks | None = None) -> None:
         """`engines_asleep` (colocated placement): a context in which the engines have given
         their memory back; each train step runs inside it and the weight push after it wakes
         them (FleetTransport.asleep). `on_commit(step)`: after the checkpoint of `step` is
-        committed (the metrics sinks take committed steps only)."""
+        committed (the metrics sinks take committed steps only). `filters` and `hooks`: the
+        recipe's, resolved (core/extensions.py); None resolves them from the recipe."""
         self.recipe, self.backend, self.router, self.engines = recipe, backend, router, engines
         self.engines_asleep = engines_asleep or nullcontext
         self.source, self.rollout_fn, self.rewards = source, rollout_fn, rewards
         self.transport, self.checkpoints, self.exports_dir = transport, checkpoints, exports_dir
         self.stop_token_ids, self.decode, self.state = stop_token_ids, decode, state
         self.on_metrics, self.on_commit = on_metrics, on_commit
+        self.filters = filters or FilterChain.from_config(recipe.filters)
+        self.hooks = hooks or Hooks.from_config(recipe.hooks)
+        self.last_step = state.step
         self.ahead = RolloutAhead(
             source, self.generate_chunk, prompts_per_step=recipe.rollout.prompts_per_step,
             max_staleness=recipe.loop.max_staleness, policy_version=state.policy_version,
             next_chunk=state.step, restored=[Chunk.from_dict(c) for c in state.rollout_chunks],
             on_stale=recipe.loop.on_stale)
 
+    def context(self, step: int) -> StepContext:
+        """What plugins see of step `step` (read-only)."""
+        return StepContext(step=step, policy_version=self.state.policy_version, last_step=self.last_step,
+                           seed=self.recipe.seed)
+
     def run_until(self, last_step: int) -> None:
+        self.last_step = last_step
         self.ahead.start(limit=last_step)
         try:
             while self.state.step < last_step:
                 step = self.state.step + 1
+                context = self.context(step)
                 row = self.run_step(step)
                 self.state.metrics.append(row)
                 self.on_metrics(row)
+                self.hooks.step_end(row, context)
                 if step % self.recipe.checkpoint.every_steps == 0 or step == last_step:
                     self.save_checkpoint()
         finally:
@@ -141,6 +157,8 @@ class RLLoop:
             chunk = self.ahead.take(step - 1, timeout_s=3 * r.rollout.request_timeout_s)
         timings["timing/rollout_s"] = chunk.rollout_s
         # Samples whose reward failed are left out before advantages (see RewardEvaluator).
+        context = self.context(step)
+        self.hooks.rollout(chunk.samples or [], context)
         samples, reward_metrics = split_failed(chunk.samples or [])
         rollout_metrics = {**summarize_rollout(samples), **reward_metrics}
         rollout_metrics["rollout/staleness"] = float(self.state.policy_version - chunk.min_version)
@@ -149,7 +167,7 @@ class RLLoop:
             sum(len(s.weight_version_spans) > 1 for s in (chunk.samples or [])))
         rollout_metrics["rollout/dropped_stale_prompts"] = float(len(chunk.prompts) if chunk.dropped_stale else 0)
         with span(timings, "filter"):
-            kept, filter_metrics = filter_groups(samples, r.filters)
+            kept, filter_metrics = self.filters(samples, context)
         with span(timings, "advantages"):
             filter_metrics.update(assign_advantages(kept, r.algo.advantage))
         with span(timings, "train"), self.engines_asleep():
@@ -192,6 +210,8 @@ class RLLoop:
         state = {"step": self.state.step, "policy_version": self.state.policy_version,
                  "cursor": self.state.cursor, "rollout_chunks": self.state.rollout_chunks,
                  "metrics": self.state.metrics, "model_sha256": self.state.model_sha256}
-        self.checkpoints.save(self.state.step, state, payload)
+        folder = self.checkpoints.save(self.state.step, state, payload)
         if self.on_commit is not None:
             self.on_commit(self.state.step)
+        self.hooks.checkpoint(CommittedCheckpoint(self.state.step, str(folder), self.state.model_sha256),
+                              self.context(self.state.step))

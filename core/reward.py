@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Protocol
 
 from milepost.core.errors import UserError
-from milepost.core.plugins import PluginError, load_object
+from milepost.core.plugins import Registry
 from milepost.core.rewards_math import gsm8k_reward
 from milepost.core.types import Sample
 
-RewardFn = Callable[[str, str], float]
+
+
+class RewardFn(Protocol):
+    """`reward.function`: the reward of one response against its dataset label."""
+
+    def __call__(self, response_text: str, label: str) -> float: ...
+
+
+REWARD_FUNCTIONS: Registry[RewardFn] = Registry("reward.function", RewardFn)
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +30,7 @@ log = logging.getLogger(__name__)
 REWARD_FAILED = "reward_failed"
 
 
+@REWARD_FUNCTIONS.register("tiny-arith")
 def tiny_arith_reward(response_text: str, label: str) -> float:
     return 1.0 if response_text.strip() == label.strip() else 0.0
 
@@ -52,44 +60,19 @@ def extract_final_answer(text: str) -> str | None:
     return numbers[-1] if numbers else None
 
 
+@REWARD_FUNCTIONS.register("math-final-answer")
 def math_final_answer_reward(response_text: str, label: str) -> float:
     answer = extract_final_answer(response_text)
     return 1.0 if answer is not None and _normalise_answer(answer) == _normalise_answer(label) else 0.0
 
 
-REWARD_FUNCTIONS: dict[str, RewardFn] = {
-    "tiny-arith": tiny_arith_reward,
-    "math-final-answer": math_final_answer_reward,
-    "gsm8k": gsm8k_reward,
-}
+REWARD_FUNCTIONS.register("gsm8k")(gsm8k_reward)
 
 
 def resolve_reward_fn(spec: str) -> RewardFn:
     """A registered name, `package.module:function` or `path/to/file.py:function`, checked now
     so a wrong signature fails at start-up, not at the first reward."""
-    fn = REWARD_FUNCTIONS.get(spec) or load_object(spec, what="reward.function",
-                                                  known=sorted(REWARD_FUNCTIONS))
-    check_reward_fn(fn, spec)
-    return fn
-
-
-def check_reward_fn(fn: Any, spec: str) -> None:
-    """What can be known before the first call: callable, synchronous, takes (response, label)."""
-    if not callable(fn):
-        raise PluginError(f"reward.function `{spec}` is a {type(fn).__name__}, not callable; name a "
-                          "function fn(response_text: str, label: str) -> float")
-    if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
-        raise PluginError(f"reward.function `{spec}` is an async or generator function, which returns no "
-                          "number when called; make it a plain `def fn(response_text, label) -> float`")
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return  # some builtins have no inspectable signature; the first call checks them
-    try:
-        signature.bind("response", "label")
-    except TypeError as e:
-        raise PluginError(f"reward.function `{spec}` must accept (response_text, label): {e}; "
-                          "change its signature to fn(response_text: str, label: str) -> float") from None
+    return REWARD_FUNCTIONS.resolve(spec)
 
 
 @dataclass(frozen=True)

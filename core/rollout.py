@@ -21,14 +21,13 @@ before this rule (sample j of a prompt used s + j), and the n requests go out at
 
 from __future__ import annotations
 
-import inspect
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from milepost.core.engine.client import EngineClient
 from milepost.core.partial_rollout import PartialResponse, continue_cut_responses
-from milepost.core.plugins import PluginError, load_object
+from milepost.core.plugins import Registry
 from milepost.core.types import Prompt, Sample
 
 
@@ -63,6 +62,10 @@ def _chunks(items: list[Prompt], num: int) -> list[list[Prompt]]:
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
+ROLLOUT_FUNCTIONS: Registry[RolloutFn] = Registry("rollout.function", RolloutFn)
+
+
+@ROLLOUT_FUNCTIONS.register("default")
 def default_rollout(request: RolloutRequest, router: EngineClient) -> list[Sample]:
     n = request.num_samples_per_prompt
     chunks = _chunks(request.prompts, max(1, request.num_engines))
@@ -105,21 +108,6 @@ def default_rollout(request: RolloutRequest, router: EngineClient) -> list[Sampl
             for r in responses]
 
 
-ROLLOUT_FUNCTIONS: dict[str, RolloutFn] = {"default": default_rollout}
-
-
 def resolve_rollout_fn(spec: str) -> RolloutFn:
     """A registered name or an import path; the signature is checked now, not mid-campaign."""
-    fn = ROLLOUT_FUNCTIONS.get(spec) or load_object(spec, what="rollout.function",
-                                                   known=sorted(ROLLOUT_FUNCTIONS))
-    if not callable(fn):
-        raise PluginError(f"rollout.function `{spec}` is a {type(fn).__name__}, not callable; name a "
-                          "function fn(request: RolloutRequest, router: EngineClient) -> list[Sample]")
-    try:
-        inspect.signature(fn).bind("request", "router")
-    except TypeError as e:
-        raise PluginError(f"rollout.function `{spec}` must accept (request, router): {e}; change its "
-                          "signature to fn(request, router) -> list[Sample]") from None
-    except ValueError:
-        pass  # no inspectable signature (some builtins): the first call checks it
-    return fn
+    return ROLLOUT_FUNCTIONS.resolve(spec)

@@ -1,7 +1,7 @@
 """A campaign on the embedded defaults: validate everything, then run its blocks through the
 campaign's Airflow DAG in-process (see tasks.airflow_local).
 
-Validation (recipe, model path, datasets row by row, reward and rollout import paths) happens
+Validation (recipe, model path, datasets row by row, every plugin's import path and signature) happens
 before anything is written to the store, so bad input exits 2 with nothing written.
 """
 
@@ -19,10 +19,9 @@ from milepost.core.config import Recipe
 from milepost.core.data.arith import check_builtin_dataset
 from milepost.core.data.source import PromptLimit, load_rows
 from milepost.core.errors import UserError
+from milepost.core.extensions import resolve_extensions
 from milepost.core.model.loading import check_model_path, validation_tokenizer
 from milepost.core.recipe_io import RecipeError, dump_recipe, recipe_diff, same_recipe
-from milepost.core.reward import resolve_reward_fn
-from milepost.core.rollout import resolve_rollout_fn
 from milepost.core.store import CampaignStore
 
 log = logging.getLogger(__name__)
@@ -80,14 +79,14 @@ def _check_catalog(recipe: Recipe) -> None:
 
 def validate_resources(recipe: Recipe) -> None:
     """Everything that can be checked without starting a process: the model path, the
-    datasets (every row, prompt lengths), the reward and rollout functions."""
+    datasets (every row, prompt lengths), every plugin (rollout, reward, advantage, loss,
+    filters, hooks: loaded and checked against its signature)."""
     check_model_path(recipe.model)
     _check_catalog(recipe)
     limit = functools.cache(lambda: _prompt_limit(recipe))  # loaded once, after the rows passed
     _check_dataset(recipe.data.train_path, "data.train_path", recipe, limit)
     _check_dataset(recipe.data.eval_path, "data.eval_path", recipe, limit)
-    resolve_reward_fn(recipe.reward.function)
-    resolve_rollout_fn(recipe.rollout.function)
+    resolve_extensions(recipe)
 
 
 def prepare_campaign(recipe: Recipe, url: str) -> PreparedCampaign:

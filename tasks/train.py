@@ -14,11 +14,12 @@ from tqdm import tqdm
 
 from milepost.core.data.source import DataCursor, PromptSource, load_rows
 from milepost.core.engine.fleet import FleetTransport
+from milepost.core.extensions import resolve_extensions, trainer_algo
+from milepost.core.hooks import BlockInfo
 from milepost.core.loop import LoopState, RLLoop
 from milepost.core.metrics.publish import eval_rows, open_sinks, record_train_start
 from milepost.core.model.loading import load_tokenizer
-from milepost.core.reward import RewardEvaluator, resolve_reward_fn
-from milepost.core.rollout import resolve_rollout_fn
+from milepost.core.reward import RewardEvaluator
 from milepost.core.train.factory import create_backend
 from milepost.core.weight_sync import build_transport
 from milepost.tasks.context import StageContext
@@ -56,7 +57,8 @@ def run_train_stage(ctx: StageContext) -> dict[str, Any]:
 
 def _train(ctx: StageContext, fleet: Any, tokenizer: Any, start_path: str) -> dict[str, Any]:
     recipe, store, block, last_step = ctx.recipe, ctx.store, ctx.block, ctx.last_step()
-    backend = create_backend(start_path, recipe.train, recipe.algo,
+    extensions = resolve_extensions(recipe)  # before the ranks start: a broken plugin costs nothing
+    backend = create_backend(start_path, recipe.train, trainer_algo(recipe.algo),
                              temperature=recipe.rollout.temperature, seed=recipe.seed,
                              total_steps=recipe.campaign.num_blocks * recipe.campaign.steps_per_block,
                              placement_group=fleet.placement_group)
@@ -96,20 +98,22 @@ def _train(ctx: StageContext, fleet: Any, tokenizer: Any, start_path: str) -> di
         colocated = recipe.cluster.placement == "colocated"
         loop = RLLoop(recipe, backend=backend, router=fleet.router_client,
                       engines=fleet.clients, source=source,
-                      rollout_fn=resolve_rollout_fn(recipe.rollout.function),
-                      rewards=RewardEvaluator(resolve_reward_fn(recipe.reward.function),
-                                              recipe.reward.num_workers),
+                      rollout_fn=extensions.rollout,
+                      rewards=RewardEvaluator(extensions.reward, recipe.reward.num_workers),
                       transport=transport,
                       checkpoints=ctx.checkpoints,
                       exports_dir=Path(store.local_path("exports", "steps")),
                       stop_token_ids=[tokenizer.eos_token_id],
                       decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                       state=state, on_metrics=on_metrics,
-                      engines_asleep=transport.asleep if colocated else None, on_commit=on_commit)
+                      engines_asleep=transport.asleep if colocated else None, on_commit=on_commit,
+                      filters=extensions.filters, hooks=extensions.hooks)
         _serve_checkpoint(fleet, transport, start_path, state.policy_version, backend)
         loop.run_until(last_step)
         bar.close()
         fleet.raise_if_failed()
+        extensions.hooks.block_end(BlockInfo(block, block_first, last_step, loop.state.model_sha256),
+                                   loop.context(last_step))
         return {"steps": [block_first, last_step], "model_sha256": loop.state.model_sha256,
                 "policy_version": loop.state.policy_version,
                 "engine_restarts": fleet.restart_events()}

@@ -4,16 +4,32 @@ Every estimator takes `rewards: Tensor[G, n]` (G prompt groups, n samples per pr
 returns advantages of the same shape and a floating dtype. Standard deviations are population
 standard deviations (`unbiased=False`), so a group of identical rewards gets zero advantage and
 the result does not depend on a Bessel correction.
+
+`algo.advantage` names one of them or a user's estimator with the same signature (`AdvantageFn`),
+resolved through `ADVANTAGE_ESTIMATORS`. The loop calls an estimator once per prompt group with
+`rewards: [1, n]` (groups are ragged after filtering), except those in `WHOLE_BATCH`, which see
+the step's rewards as one row `[1, N]`.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
-AdvantageFn = Callable[[Tensor], Tensor]
+from milepost.core.plugins import Registry
+
+
+class AdvantageFn(Protocol):
+    """`algo.advantage`: rewards [G, n] -> advantages [G, n], a floating dtype."""
+
+    def __call__(self, rewards: Tensor) -> Tensor: ...
+
+
+ADVANTAGE_ESTIMATORS: Registry[AdvantageFn] = Registry("algo.advantage", AdvantageFn)
+# Estimators that normalise over the whole batch, not per group: the loop gives them one row.
+WHOLE_BATCH = frozenset({"reinforce_pp"})
 
 
 def _check_rewards(rewards: Tensor) -> Tensor:
@@ -22,6 +38,7 @@ def _check_rewards(rewards: Tensor) -> Tensor:
     return rewards if rewards.is_floating_point() else rewards.float()
 
 
+@ADVANTAGE_ESTIMATORS.register("grpo")
 def grpo_advantages(rewards: Tensor, eps: float = 1e-6) -> Tensor:
     """GRPO: (r - group mean) / (group population std + eps).
 
@@ -33,6 +50,7 @@ def grpo_advantages(rewards: Tensor, eps: float = 1e-6) -> Tensor:
     return (r - mean) / (std + eps)
 
 
+@ADVANTAGE_ESTIMATORS.register("dr_grpo")
 def dr_grpo_advantages(rewards: Tensor) -> Tensor:
     """Dr. GRPO: r - group mean, with no std normalisation.
 
@@ -42,6 +60,7 @@ def dr_grpo_advantages(rewards: Tensor) -> Tensor:
     return r - r.mean(dim=1, keepdim=True)
 
 
+@ADVANTAGE_ESTIMATORS.register("rloo")
 def rloo_advantages(rewards: Tensor) -> Tensor:
     """RLOO: r_i - mean of the other n - 1 rewards of the same group.
 
@@ -58,6 +77,7 @@ def rloo_advantages(rewards: Tensor) -> Tensor:
     return r - others_mean
 
 
+@ADVANTAGE_ESTIMATORS.register("reinforce_pp")
 def reinforce_pp_advantages(rewards: Tensor, eps: float = 1e-6) -> Tensor:
     """REINFORCE++: global normalisation over the whole batch,
     (r - batch mean) / (batch population std + eps).
@@ -68,21 +88,9 @@ def reinforce_pp_advantages(rewards: Tensor, eps: float = 1e-6) -> Tensor:
     return (r - r.mean()) / (r.std(unbiased=False) + eps)
 
 
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {
-    "grpo": grpo_advantages,
-    "dr_grpo": dr_grpo_advantages,
-    "rloo": rloo_advantages,
-    "reinforce_pp": reinforce_pp_advantages,
-}
-
-
 def compute_advantages(name: str, rewards: Tensor) -> Tensor:
-    """Advantages for `rewards: [G, n]` with the estimator called `name` -> [G, n].
+    """Advantages for `rewards: [G, n]` with the estimator `name` (registered or an import path) -> [G, n].
 
-    Raises ValueError naming the known estimators when `name` is not one of them.
+    Raises PluginError (a ValueError) naming the known estimators when `name` is none of them.
     """
-    fn = ADVANTAGE_ESTIMATORS.get(name)
-    if fn is None:
-        known = ", ".join(sorted(ADVANTAGE_ESTIMATORS))
-        raise ValueError(f"unknown advantage estimator `{name}`; known: {known}")
-    return fn(rewards)
+    return ADVANTAGE_ESTIMATORS.resolve(name)(rewards)

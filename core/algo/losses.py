@@ -8,16 +8,23 @@ and 0 on padding / prompt tokens; any dtype (bool, int or float). Per-token func
 Reduction contract (docs/CONTRACTS.md): loss = sum over masked tokens / token_normalizer, so
 calling `rl_loss` per micro-batch (and per rank) with the global response-token count as
 `token_normalizer` and summing gives the full-batch token mean. Metrics follow the same rule.
+
+The policy term is a plugin (`algo.loss`): a `PolicyLossFn` registered in `POLICY_LOSSES` (the
+built-ins `ppo` and `gspo`) or named by import path. It sees only `PolicyLossInputs` — the
+micro-batch's tensors and the clip settings — and returns per-token tensors; TIS, KL, entropy
+and the reduction stay here, the same for every policy loss.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import dataclass
+from typing import Literal, Protocol
 
 import torch
 from torch import Tensor
 
 from milepost.core.config import AlgoConfig
+from milepost.core.plugins import PluginError, Registry
 
 KLKind = Literal["k1", "k2", "k3"]
 
@@ -128,24 +135,57 @@ def sft_loss(logprobs: Tensor, mask: Tensor, token_normalizer: float) -> Tensor:
     return -masked_sum(logprobs, mask) / token_normalizer
 
 
+@dataclass(frozen=True)
+class PolicyLossInputs:
+    """What a policy loss sees of one micro-batch. Tensors [B, T]; `logprobs` carries the
+    gradient, `old_logprobs` are the trainer's detached logprobs of the sampling policy."""
+
+    logprobs: Tensor
+    old_logprobs: Tensor
+    advantages: Tensor
+    mask: Tensor
+    clip_low: float
+    clip_high: float
+    dual_clip_c: float | None
+
+
+class PolicyLossFn(Protocol):
+    """`algo.loss`: per-token policy loss [B, T] and clip fraction [B, T] (1 where a clip cut
+    the gradient). Values at masked-out positions are ignored."""
+
+    def __call__(self, inputs: PolicyLossInputs) -> tuple[Tensor, Tensor]: ...
+
+
+POLICY_LOSSES: Registry[PolicyLossFn] = Registry("algo.loss", PolicyLossFn)
+
+
+@POLICY_LOSSES.register("ppo")
+def ppo_policy_loss(inputs: PolicyLossInputs) -> tuple[Tensor, Tensor]:
+    """PPO clip with clip-higher and dual clip (ppo_clip_token_loss)."""
+    return ppo_clip_token_loss(inputs.logprobs, inputs.old_logprobs, inputs.advantages,
+                               inputs.clip_low, inputs.clip_high, inputs.dual_clip_c)
+
+
+@POLICY_LOSSES.register("gspo")
+def gspo_policy_loss(inputs: PolicyLossInputs) -> tuple[Tensor, Tensor]:
+    """GSPO, sequence-level ratio (gspo_token_loss); no dual clip."""
+    return gspo_token_loss(inputs.logprobs, inputs.old_logprobs, inputs.advantages, inputs.mask,
+                           inputs.clip_low, inputs.clip_high)
+
+
 def _policy_term(
     logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, cfg: AlgoConfig
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(per_token_loss, clipfrac, detached ratio), all [B, T], for cfg.loss."""
-    if cfg.loss == "ppo":
-        loss, clipfrac = ppo_clip_token_loss(
-            logprobs, old_logprobs, advantages, cfg.clip_low, cfg.clip_high, cfg.dual_clip_c
-        )
-        ratio = torch.exp(logprobs - old_logprobs).detach()
-    elif cfg.loss == "gspo":
-        loss, clipfrac = gspo_token_loss(
-            logprobs, old_logprobs, advantages, mask, cfg.clip_low, cfg.clip_high
-        )
-        seq_ratio = gspo_sequence_ratio(logprobs, old_logprobs, mask).detach()
-        ratio = seq_ratio.unsqueeze(-1).expand_as(logprobs)
-    else:
-        raise ValueError(f"unknown policy loss `{cfg.loss}`; known: gspo, ppo")
-    return loss, clipfrac, ratio
+    """(per_token_loss, clipfrac, detached token ratio), all [B, T], for cfg.loss. The ratio is
+    the metric's; for GSPO it equals the sequence ratio whenever old == current logprobs, as
+    in every step of this loop (one update per rollout)."""
+    fn = POLICY_LOSSES.resolve(cfg.loss)
+    loss, clipfrac = fn(PolicyLossInputs(logprobs, old_logprobs, advantages, mask,
+                                         cfg.clip_low, cfg.clip_high, cfg.dual_clip_c))
+    if loss.shape != logprobs.shape or clipfrac.shape != logprobs.shape:
+        raise PluginError(f"algo.loss `{cfg.loss}` returned shapes {tuple(loss.shape)} and {tuple(clipfrac.shape)}; "
+                          f"it must return (per_token_loss, clipfrac), each [B, T] = {tuple(logprobs.shape)}")
+    return loss, clipfrac, torch.exp(logprobs - old_logprobs).detach()
 
 
 def rl_loss(
@@ -161,7 +201,7 @@ def rl_loss(
 ) -> tuple[Tensor, dict[str, float]]:
     """Full RL objective for one micro-batch. All tensors [B, T]; returns (scalar loss, metrics).
 
-    per_token = policy(cfg.loss) * tis + kl_coef * kl(cfg.kl_type) - entropy_coef * entropy,
+    per_token = policy(cfg.loss, a POLICY_LOSSES plugin) * tis + kl_coef * kl(cfg.kl_type) - entropy_coef * entropy,
     where tis = tis_weights(old, engine, cfg.tis_cap) or 1 when tis_cap is None.
     loss = masked_sum(per_token) / token_normalizer. Metrics ('loss/policy', 'loss/kl',
     'loss/entropy', 'loss/clipfrac', 'loss/tis_mean', 'loss/ratio_mean') are masked sums of
