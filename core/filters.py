@@ -52,6 +52,10 @@ class ResponseLength:
         return kept, {"filter/dropped_length": float(len(samples) - len(kept))}
 
 
+class FilterError(PluginError):
+    """A filter broke the chain's contract (a user error: the same samples fail the same way)."""
+
+
 @dataclass(frozen=True)
 class FilterChain:
     """The step's filters in order, each with the recipe value that named it (for errors)."""
@@ -82,10 +86,6 @@ class FilterChain:
             metrics.update(more)
         metrics["filter/kept"] = float(len(kept))
         return kept, metrics
-
-
-class FilterError(PluginError):
-    """A filter broke the chain's contract (a user error: the same samples fail the same way)."""
 
 
 def filter_groups(samples: list[Sample], cfg: FilterConfig,
