@@ -16,7 +16,7 @@ import re
 
 # The top-level keys of `milepost.core.config.Recipe` (a unit test keeps them equal).
 RECIPE_SECTIONS = ("seed", "campaign", "model", "data", "rollout", "reward", "filters", "algo", "train",
-                   "sync", "checkpoint", "loop", "eval", "cluster", "metrics")
+                   "sync", "checkpoint", "loop", "eval", "cluster", "metrics", "hooks")
 
 _KEY = r"[A-Za-z_][A-Za-z0-9_]*"
 # `seed=3`, `train.lr=1e-4`, `cluster.slurm.partition=gpu`: a known section, dotted key, `=`, a value.
