@@ -3,7 +3,7 @@ block of the campaign.
 
     launch_ray ──► rollout ──► train ──► sync ──► evaluate ──► progress
          └──────────── teardown (all_done) ◄──────────────────────────┘
-                       block_failed (one_failed): fails the run when a stage failed
+                       block_failed (one_failed): fails the run naming the stage (dags/block_failed.py)
 
 progress applies the regression gate and triggers the run of the next block (see
 milepost.dags.progress); teardown waits for it, so the lease is released last.
@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from airflow.sdk import DAG, BaseOperator, Param, TriggerRule
+from airflow.sdk import DAG, Param, TriggerRule
+from milepost.dags.block_failed import BlockFailedOperator
 from milepost.dags.names import dag_id_for
 from milepost.dags.operators import StageOperator
 from milepost.dags.params import OVERRIDE_PATTERN, OVERRIDES_DESCRIPTION
@@ -47,33 +48,60 @@ def _recipe_summary(path: Path) -> tuple[dict[str, Any], str]:
     return doc, " ".join(comment)
 
 
-def _doc_md(name: str, path: Path, description: str, num_blocks: Any, executor: str) -> str:
+def _doc_md(name: str, path: Path, description: str, num_blocks: Any, steps_per_block: Any, executor: str) -> str:
     return f"""\
 ### milepost campaign `{name}`
 
 {description or 'An RL post-training campaign.'}
 
-Recipe: `{path}` · blocks: {num_blocks} · executor: `{executor}`
+Recipe: `{path}` · {num_blocks} blocks of {steps_per_block} RL steps · stage jobs run on: `{executor}`
 
-**One run of this DAG is one block** of the campaign stored at `campaign_url`:
-`launch_ray → rollout → train → sync → evaluate`, with `teardown` releasing the block's
-allocation whatever happened. Every stage is a job (`python -m milepost.tasks.stage`) on
-the recipe's executor (Slurm or local processes); the task defers while it runs, holding
-no worker slot.
+**One run of this DAG is one block** of the campaign: a number of RL steps, then a
+held-out evaluation. The campaign's state (recipe, checkpoints, metrics, what each stage did)
+lives in its store (`campaign_url`), so any run can be retried or resumed.
 
-**Trigger with params:** `campaign_url` (store folder or fsspec URL), `block` (0-based),
-`overrides` (`section.key=value` lines, as `milepost run --set`). The first run writes the
-resolved recipe to the store; a later run without overrides uses it, one with overrides
-must resolve to the same recipe (else launch_ray refuses it and says what changed).
+| stage | what it does |
+|---|---|
+| `launch_ray` | checks the recipe and the store (the first run writes the recipe there), takes the campaign's lease, starts the block's Ray cluster |
+| `rollout` | starts the inference engines that generate answers, loaded with the latest policy |
+| `train` | runs the block's RL steps (generate, score with the reward, update the model, push the new weights to the engines), checkpointing as it goes |
+| `sync` | commits the block's final checkpoint and exports it in Hugging Face format |
+| `evaluate` | measures held-out accuracy, applies the **regression gate**, logs the block's summary |
+| `progress` | starts the next block's run (named `block_<N>__…`), unless the campaign is complete, paused or stopped |
+| `teardown` | always runs: releases the cluster and the lease |
+| `block_failed` | runs only when a stage failed: names it, its root error, and what to do |
 
-**Progression:** after evaluate, the `progress` task applies the regression gate
-(`campaign.max_eval_drop`) and triggers the next block's run (queued until this one ends),
-until `campaign.num_blocks`. A regression pauses the campaign and marks the block
-(`blocks/N/gate.json`); trigger the next block with `resume` to continue from the best
-block's checkpoint. Two runs never write one campaign at once (`<campaign>/lease.json`).
+**Params of the trigger form**
+- **Campaign store** (`campaign_url`): the folder (or `s3://…` URL) where this campaign lives.
+  Use a new one to start a new campaign; the same one to continue.
+- **Block** (`block`): which block this run trains, counting from 0. Block 0 starts the
+  campaign; each block's `progress` task triggers the next one for you.
+- **Recipe overrides** (`overrides`, optional): changes to the recipe, one `section.key=value`
+  per line, e.g. `train.lr=1e-4` or `campaign.steps_per_block=50`. Only the first run of a
+  campaign may change the recipe: a campaign keeps the recipe it started with.
+- **Resume a paused campaign** (`resume`): tick it to continue a campaign that the regression
+  gate (or a stop request) paused; the block then starts from the best block's checkpoint.
+- **Run ID** (the form's advanced options): name the first run after its block, e.g.
+  `block_000000`; the runs that `progress` starts are named `block_<N>__…` already.
 
-**Retries are safe:** stages are idempotent and checkpointed; a retried train stage resumes
-from its last committed checkpoint, and a stage already recorded `done` is not run again.
+**What a finished run shows:** its **note** (on the run's page and in the runs list) is the
+block's summary: steps, held-out accuracy against the block before (the base policy for
+block 0), reward, the regression gate's verdict, checkpoint, wall time and the plot of the
+campaign's curves (`<campaign>/blocks/<N>/report.png`, with `summary.md`). The `evaluate`
+and `progress` task logs end with the same table. Each stage task's log names its stage
+job's own log, which holds what the stage printed (steps, rewards, accuracy, errors), and
+shows its last lines.
+
+**The regression gate:** a block whose accuracy falls more than `campaign.max_eval_drop`
+below the best block's pauses the campaign (verdict `regressed`). Trigger the next block
+with `resume` ticked to continue from the best block's checkpoint.
+
+**When a run fails,** `block_failed`'s log and the run's note say which stage failed and why.
+An error in the input (recipe, overrides, data, plugin) fails the same way every time:
+trigger the DAG again with corrected overrides. A runtime error (a lost node, a killed job):
+clear the failed task to retry it; it resumes from its last committed checkpoint. Retries
+are safe: a stage already recorded done is not run again, and two runs never write one
+campaign at once (`<campaign>/lease.json`).
 """
 
 
@@ -93,7 +121,8 @@ def build_campaign_dag(recipe_path: str | Path, *, dag_id: str | None = None, ca
     dag = DAG(
         dag_id=dag_id or dag_id_for(name),
         description=f"milepost campaign {name}: one run = one block",
-        doc_md=_doc_md(name, path, description, campaign.get("num_blocks", "?"), cluster.get("executor", "local")),
+        doc_md=_doc_md(name, path, description, campaign.get("num_blocks", "?"), campaign.get("steps_per_block", "?"),
+                       cluster.get("executor", "local")),
         schedule=None,
         start_date=dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc),
         catchup=False,
@@ -104,7 +133,8 @@ def build_campaign_dag(recipe_path: str | Path, *, dag_id: str | None = None, ca
                                   description="Folder or fsspec URL (s3://…) of the campaign store."),
             "block": Param(0, type="integer", minimum=0, title="Block",
                            description="Index of the block this run executes (0-based)."),
-            "overrides": Param([], type="array", title="Recipe overrides", description=OVERRIDES_DESCRIPTION,
+            # "null" in the type: the form does not mark the field required (it may be empty).
+            "overrides": Param([], type=["array", "null"], title="Recipe overrides", description=OVERRIDES_DESCRIPTION,
                                items={"type": "string", "pattern": OVERRIDE_PATTERN}),
             "resume": Param(False, type="boolean", title="Resume a paused campaign",
                             description="A campaign paused by its regression gate (or a stop request) runs "
@@ -127,12 +157,3 @@ def build_campaign_dag(recipe_path: str | Path, *, dag_id: str | None = None, ca
         stages >> block_failed
     return dag
 
-
-class BlockFailedOperator(BaseOperator):
-    """Fails the run when a stage failed (runs only then: trigger rule one_failed)."""
-
-    ui_color = "#f6dbdb"
-
-    def execute(self, context: Any) -> None:
-        raise RuntimeError(f"block {context['params']['block']}: a stage failed (the red task; its log says why). "
-                           "Clear that task to retry it: the block resumes from its last checkpoint.")

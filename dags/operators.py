@@ -7,6 +7,11 @@ a stage whose record says `done` is not submitted at all (its recorded outputs s
 task succeeds at once), and a partial one resumes from the store. Only identifiers go to
 XCom: the campaign URL, the block index, the stage and its job id.
 
+A stage that fails pushes XCom `failure` (`stage`, `error`, `error_kind`: user | runtime, `log`)
+before raising, for `block_failed`'s advice. evaluate ends by applying the regression gate
+(`tasks.progression.after_evaluate`, idempotent: `progress` reads the same verdict) and logs
+the block's summary table (`tasks.block_summary`), so its log shows what the block achieved.
+
 Imports here are Airflow's SDK and the standard library; milepost's recipe schema (pydantic),
 the store (fsspec) and the executors (submitit) are imported inside `execute`, never when
 the DAG file is parsed.
@@ -61,7 +66,7 @@ class StageOperator(BaseOperator):
         url = str(params["campaign_url"])
         return (url if "://" in url else os.path.abspath(url)), int(params["block"])
 
-    def _prepare_campaign(self, url: str, overrides: list[str]) -> None:
+    def _prepare_campaign(self, context: Any, url: str, overrides: list[str]) -> None:
         from airflow.sdk.exceptions import AirflowFailException
         from milepost.core.recipe_io import load_recipe
         from milepost.tasks.campaign import prepare_campaign
@@ -69,6 +74,7 @@ class StageOperator(BaseOperator):
         try:
             prepare_campaign(load_recipe(self.recipe_path, list(overrides)), url)
         except ValueError as e:  # RecipeError: a user mistake, which no retry fixes
+            push_failure(context, self.stage, f"{type(e).__name__}: {e}", "user", None)
             raise AirflowFailException(f"{e}\nTrigger the run again with corrected overrides.") from None
 
     def _claim(self, context: Any, store: Any, recipe: Any, block: int) -> str | None:
@@ -97,6 +103,7 @@ class StageOperator(BaseOperator):
             else:
                 lease.renew(store, owner)
         except (lease.LeaseHeldError, CampaignPaused) as e:  # no retry changes either
+            push_failure(context, self.stage, f"{type(e).__name__}: {e}", "user", None)
             raise AirflowFailException(str(e)) from None
         return owner
 
@@ -121,7 +128,7 @@ class StageOperator(BaseOperator):
         # The first run writes the campaign; a later one with overrides must match it (else it
         # is refused, saying what changed); a later one without overrides uses what is stored.
         if self.stage == "launch_ray" and (overrides or not store.exists("campaign.yaml")):
-            self._prepare_campaign(url, overrides)
+            self._prepare_campaign(context, url, overrides)
         if not store.exists("campaign.yaml"):
             if self.stage == "teardown":
                 self.log.info("%s is not a campaign yet (launch_ray did not prepare it): nothing to release", url)
@@ -134,20 +141,25 @@ class StageOperator(BaseOperator):
         block_done = (store.stage_record(block, "evaluate") or {}).get("state") == "done"
         if self.stage != "teardown" and (record.get("state") == "done" or block_done):
             # A done block is not launched again (its launch_ray/rollout records say `released`).
-            self.log.info("block %d %s: %s; keeping the recorded outputs", block, self.stage,
-                          "the block is done" if block_done else f"done at {record.get('finished_at')}")
+            # A retry of a stage already recorded done (apache/airflow#67287: the executor and the
+            # scheduler race and a finished task is put up for retry) ends here, at once.
+            self._already_done(store, block, record, block_done)
+            if self.stage == "evaluate":
+                self._finish_evaluate(store, recipe, block)
             return {**ids, "job_id": str(record.get("slurm_job_id") or record.get("pid") or "")}
         owner = self._claim(context, store, recipe, block)  # only a stage that will write needs the lease
         if owner is None:
             return None
 
+        from milepost.dags.triggers import StageJobTrigger
+        from milepost.tasks.block_summary import human_time
+
         executor = self._executor(recipe, store)
         submitted_at = time.time()
         job = executor.submit(stage_command(url, block, self.stage), name=f"mp-{self.stage}-b{block}")
-        self.log.info("block %d %s: submitted %s job %s (log: %s)", block, self.stage, executor.name, job.job_id,
-                      job.stderr_path)
-        from milepost.dags.triggers import StageJobTrigger
-
+        self.log.info("block %d %s: submitted %s job %s at %s; the stage's own output (steps, rewards, "
+                      "accuracy, errors) goes to %s", block, self.stage, executor.name, job.job_id,
+                      human_time(submitted_at), job.stderr_path)
         self.defer(trigger=StageJobTrigger(url, block, self.stage, executor.name, job.job_id, submitted_at,
                                            pid_created_at=_created_at(job.job_id) if executor.name == "local"
                                            else None, poll_interval_s=self.poll_interval_s,
@@ -176,11 +188,21 @@ class StageOperator(BaseOperator):
 
     def execute_complete(self, context: Any, event: dict[str, Any], stderr_path: str = "") -> dict[str, Any]:
         stderr_path = event.get("stderr_path") or stderr_path
+        _log_tail(self.log, stderr_path)
         if event.get("status") != "done":
-            self._raise_failure(event, stderr_path)
-        self.log.info("block %s %s: %s", event["block"], event["stage"], event.get("detail"))
+            self._raise_failure(context, event, stderr_path)
+        self.log.info("block %s %s: %s (stage log: %s)", event["block"], event["stage"], event.get("detail"),
+                      stderr_path)
         if event.get("submitted_at") is not None:
-            _record_timing(event, float(event["submitted_at"]))
+            _record_timing(event, float(event["submitted_at"]), stderr_path)
+        if self.stage == "evaluate":
+            import yaml
+            from milepost.core.recipe_io import recipe_from_dict
+            from milepost.core.store import CampaignStore
+
+            store = CampaignStore(event["campaign_url"])
+            recipe = recipe_from_dict(yaml.safe_load(store.read_text("campaign.yaml")), "campaign.yaml")
+            self._finish_evaluate(store, recipe, int(event["block"]))
         if self.stage == "teardown" and not embedded():
             from milepost.core.store import CampaignStore
             from milepost.tasks import lease
@@ -189,7 +211,35 @@ class StageOperator(BaseOperator):
             lease.release(CampaignStore(event["campaign_url"]), lease_owner(context))
         return {key: event[key] for key in ("campaign_url", "block", "stage", "job_id")}
 
-    def _raise_failure(self, event: dict[str, Any], stderr_path: str) -> None:
+    def _already_done(self, store: Any, block: int, record: dict[str, Any], block_done: bool) -> None:
+        """Say what the earlier try did, in words and local times, and make sure timings.json
+        has it (the first try may have ended before it could write it)."""
+        from milepost.tasks.block_summary import human_duration, human_time
+
+        if block_done and record.get("state") != "done":
+            self.log.info("block %d %s: the block is done; keeping the recorded outputs", block, self.stage)
+            return
+        started, finished = float(record.get("started_at") or 0.0), float(record.get("finished_at") or 0.0)
+        timing = _stage_timing(store, block, self.stage)
+        if timing is None:
+            timing = _record_timing_from_record(store, block, self.stage, record)
+        self.log.info("block %d %s: already done by an earlier try: ran %s → %s (%s), job %s; its log: %s. "
+                      "Keeping its outputs (a retry of a finished stage ends at once).", block, self.stage,
+                      human_time(started), human_time(finished), human_duration(finished - started),
+                      timing.get("job_id") or record.get("slurm_job_id") or record.get("pid"),
+                      timing.get("log") or "not recorded")
+
+    def _finish_evaluate(self, store: Any, recipe: Any, block: int) -> None:
+        """The regression gate's verdict (idempotent: `progress` acts on the same one), the
+        block's report, and its summary table at the end of this task's log."""
+        from milepost.tasks.block_summary import format_summary, write_block_report
+        from milepost.tasks.progression import after_evaluate
+
+        decision = after_evaluate(store, recipe, block)
+        summary = write_block_report(store, block)
+        self.log.info("block %d: %s\n%s", block, decision.message, format_summary(summary))
+
+    def _raise_failure(self, context: Any, event: dict[str, Any], stderr_path: str) -> None:
         """The stage's root error first (from its record), then the job's state and its log.
         A user error (recorded `error_kind: user`) fails the task for good: no retry fixes it."""
         from airflow.sdk.exceptions import AirflowFailException
@@ -200,12 +250,54 @@ class StageOperator(BaseOperator):
         failure = stage_failure(record, event.get("detail", ""), stderr_path)
         message = f"block {event.get('block')} stage {event.get('stage')} failed: {failure}"
         self.log.error("%s", message)
+        push_failure(context, self.stage, record.get("error") if record.get("state") == "failed"
+                     else event.get("detail", ""), "user" if is_user_error(record) else "runtime",
+                     record.get("log") or stderr_path)
         if is_user_error(record):
             raise AirflowFailException(f"{message}\nThis is an input error, not retried: fix it and run again.")
         raise StageFailedError(message)
 
 
-def _record_timing(event: dict[str, Any], submitted_at: float) -> None:
+def push_failure(context: Any, stage: str, error: str, error_kind: str, log_path: str | None) -> None:
+    """XCom `failure` of the failing task, read by `block_failed` (pushed before raising)."""
+    ti = context.get("ti")
+    if ti is None:  # the operator called outside a task run (unit tests): nobody to tell
+        return
+    ti.xcom_push(key="failure", value={"stage": stage, "error": error, "error_kind": error_kind, "log": log_path})
+
+
+def _log_tail(log: Any, path: str, num_lines: int = 15) -> None:
+    """The end of the stage job's own log, so the task log shows what the stage said last."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 16384))
+            lines = f.read().decode(errors="replace").splitlines()[-num_lines:]
+    except OSError:
+        return
+    if lines:
+        log.info("last lines of the stage's log %s:\n%s", path, "\n".join(f"  | {line}" for line in lines))
+
+
+def _stage_timing(store: Any, block: int, stage: str) -> dict[str, Any] | None:
+    rel = f"blocks/{block:06d}/timings.json"
+    return (store.read_json(rel) if store.exists(rel) else {}).get("stages", {}).get(stage)
+
+
+def _record_timing_from_record(store: Any, block: int, stage: str, record: dict[str, Any]) -> dict[str, Any]:
+    """timings.json's entry of a stage whose try ended before writing it: its record's times
+    (the submission time is not known any more: its start stands in)."""
+    rel = f"blocks/{block:06d}/timings.json"
+    timings = store.read_json(rel) if store.exists(rel) else {"executor": None, "stages": {}}
+    entry = {"job_id": record.get("slurm_job_id") or record.get("pid"), "submitted_at": record.get("started_at", 0.0),
+             "started_at": record.get("started_at", 0.0), "finished_at": record.get("finished_at", 0.0),
+             "returned_at": time.time(), "log": None, "from_record": True}
+    timings["stages"][stage] = entry
+    store.write_json(rel, timings)
+    return entry
+
+
+def _record_timing(event: dict[str, Any], submitted_at: float, log_path: str = "") -> None:
     """blocks/N/timings.json, as BlockRunner writes it: per stage, when it was submitted, ran
     and was seen done (the orchestration overhead is what lies between)."""
     from milepost.core.store import CampaignStore
@@ -217,7 +309,8 @@ def _record_timing(event: dict[str, Any], submitted_at: float) -> None:
     timings = store.read_json(rel) if store.exists(rel) else {"executor": event.get("executor"), "stages": {}}
     timings["stages"][stage] = {"job_id": event.get("job_id"), "submitted_at": submitted_at,
                                 "started_at": record.get("started_at", 0.0),
-                                "finished_at": record.get("finished_at", 0.0), "returned_at": time.time()}
+                                "finished_at": record.get("finished_at", 0.0), "returned_at": time.time(),
+                                "log": log_path or None}
     store.write_json(rel, timings)
 
 

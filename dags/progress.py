@@ -5,6 +5,11 @@ this run's teardown is done), until `campaign.num_blocks`, a stop request or a r
 The decision itself is `milepost.tasks.progression.after_evaluate` (imported at run time),
 shared with the embedded driver of `milepost run`, which runs its blocks one `dag.test()`
 after the other instead of triggering runs.
+
+Its log ends with the block's summary table (`tasks.block_summary`), and the same table
+becomes the DAG run's note (dags/run_note.py), which the Airflow UI shows on the run: steps,
+held-out accuracy against the block before, reward, the gate's verdict, checkpoint, wall time,
+the plot. The next block's run is named `block_<NNNNNN>__…` after its block.
 """
 
 from __future__ import annotations
@@ -16,8 +21,24 @@ from milepost.dags.operators import embedded
 
 
 def next_run_id(block: int, after_run_id: str) -> str:
-    """Deterministic: a retried `progress` task finds the run it already triggered."""
-    return f"block_{block:06d}__after__{after_run_id}"[:250]
+    """Named after its block, and deterministic: a retried `progress` task finds the run it
+    already triggered. The hash of the run before keeps two campaigns of one DAG apart
+    without nesting run ids (`block_2__after__block_1__after__…`)."""
+    import hashlib
+
+    return f"block_{block:06d}__{hashlib.sha256(after_run_id.encode()).hexdigest()[:12]}"
+
+
+def publish_note(context: Any, note: str, log: Any) -> None:
+    """The note of this task's DAG run; under `dag.test()` the embedded driver sets it after
+    the run (there is no API server to ask)."""
+    if embedded():
+        return
+    from milepost.dags.run_note import set_run_note
+
+    problem = set_run_note(context["dag"].dag_id, context["run_id"], note)
+    if problem:
+        log.warning("the DAG run's note was not set: %s", problem)
 
 
 class ProgressOperator(BaseOperator):
@@ -33,8 +54,14 @@ class ProgressOperator(BaseOperator):
         url, block = str(params["campaign_url"]), int(params["block"])
         store = CampaignStore(url)
         recipe = recipe_from_dict(yaml.safe_load(store.read_text("campaign.yaml")), "campaign.yaml")
+        from milepost.tasks.block_summary import format_summary, read_block_summary, write_block_report
+
         decision = after_evaluate(store, recipe, block)
-        self.log.info("block %d: %s (%s)", block, decision.action, decision.message)
+        exists = store.exists("blocks", f"{block:06d}", "summary.md")
+        summary = read_block_summary(store, block) if exists else write_block_report(store, block)
+        table = format_summary(summary)
+        publish_note(context, table, self.log)
+        self.log.info("block %d: %s (%s)\n%s", block, decision.action, decision.message, table)
         if decision.action == "next" and not embedded():
             from airflow.sdk.exceptions import DagRunTriggerException
 

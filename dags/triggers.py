@@ -147,6 +147,9 @@ class StageJobTrigger(BaseTrigger):
         started = time.monotonic()
         self.log.info("waiting for %s job %s (block %d, %s)", self.executor, self.job_id, self.block, self.stage)
         event = await (self._wait_slurm() if self.executor == "slurm" else self._wait_local())
-        self.log.info("%s job %s: %s after %.0fs", self.executor, self.job_id, event.payload["status"],
-                      time.monotonic() - started)
+        from milepost.tasks.block_summary import human_duration
+
+        self.log.info("%s job %s (block %d, %s): %s after waiting %s; the stage's own output: %s", self.executor,
+                      self.job_id, self.block, self.stage, event.payload["status"],
+                      human_duration(time.monotonic() - started), self.stderr_path or "see its job folder")
         yield event

@@ -74,8 +74,11 @@ def as_function(task: Task, args: tuple[Any, ...]) -> Callable[..., Any]:
         if args:
             raise ValueError(f"a command task takes no extra arguments; put them in the list: {list(task)}")
         from milepost.slurm.checkpointable import requeueable
-        # Returns the command's stdout; raises (job failed) on a non-zero exit status.
-        return requeueable(submitit.helpers.CommandFunction(list(task), verbose=False))
+        # Returns the command's stdout; raises (job failed) on a non-zero exit status. verbose:
+        # the command's stdout/stderr are also copied, as they come, into the job's own log
+        # files (its stdout/stderr), which the task logs point to; without it they were kept
+        # in memory only and dropped when the command succeeded (0-byte `*_log.err`).
+        return requeueable(submitit.helpers.CommandFunction(list(task), verbose=True))
     raise TypeError(f"a task is a callable or a non-empty list of strings (a command); got {task!r}")
 
 

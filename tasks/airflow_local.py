@@ -143,8 +143,9 @@ def run_embedded_blocks(url: str, dag_id: str) -> int:
             store.write_json(f"blocks/{block:06d}/dag_run.json", {
                 "mode": "embedded", "dag_id": dag_id, "run_id": run.run_id, "state": state,
                 "started_at": started, "ended_at": time.time()})
+            failed = block_failure(lambda stage: store.stage_record(block, stage), since=started)
+            _note_run(store, block, dag_id, run.run_id, state, failed, logs)
             if state != "success":
-                failed = block_failure(lambda stage: store.stage_record(block, stage), since=started)
                 logs.user.write(_failure_message(store, block, state, failed))
                 if attempt < recipe.cluster.max_block_retries and not (failed and is_user_error(failed[1])):
                     # The run's teardown released the block; a new run launches it afresh and
@@ -163,6 +164,29 @@ def run_embedded_blocks(url: str, dag_id: str) -> int:
         return EXIT_DONE
     finally:
         logs.back()
+
+
+def _note_run(store: CampaignStore, block: int, dag_id: str, run_id: str, state: str,
+              failed: tuple[str, dict] | None, logs: _BlockLog) -> None:
+    """The run's note, as a scheduler's run gets it from its tasks (dags/progress.py,
+    dags/block_failed.py): under dag.test() there is no API server, so the driver writes it
+    into the run's database (the embedded Airflow's UI shows it when pointed at that home)."""
+    from milepost.dags.run_note import set_note_in_db
+    from milepost.tasks.block_summary import failure_note, format_summary, read_block_summary
+
+    if state == "success":
+        note = format_summary(read_block_summary(store, block))
+    elif failed:
+        stage, record = failed
+        note = failure_note(block, stage, record.get("error") or "no error recorded", record.get("error_kind"),
+                            record.get("log"))
+    else:
+        note = failure_note(block, None, f"the run ended {state}; its task log says why", None,
+                            str(block_log(store, block)))
+    try:
+        set_note_in_db(dag_id, run_id, note)
+    except Exception as e:  # noqa: BLE001 - a note is a convenience: say why it is missing, go on
+        logs.user.write(f"milepost: block {block}'s DAG run note was not set ({type(e).__name__}: {e})\n")
 
 
 def _failure_message(store: CampaignStore, block: int, state: str,

@@ -158,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         # The user's mistake: its message, no traceback, and no retry.
         print(f"milepost: block {args.block} stage {args.stage}: {user_error}", file=sys.stderr)
         return USER_ERROR_EXIT
+    from milepost.tasks.block_summary import stage_done_line
+
+    log.info("%s", stage_done_line(args.block, args.stage, record))  # into the job's log, which tasks point to
     print(json.dumps(record, indent=2))
     return 0
 

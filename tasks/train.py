@@ -6,6 +6,7 @@ of its own that restarts dead engines for as long as the stage runs."""
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,10 @@ from milepost.core.model.loading import load_tokenizer
 from milepost.core.reward import RewardEvaluator
 from milepost.core.train.factory import create_backend
 from milepost.core.weight_sync import build_transport
+from milepost.tasks.block_summary import step_line
 from milepost.tasks.context import StageContext
+
+log = logging.getLogger(__name__)
 
 
 def _restore(ctx: StageContext, backend: Any) -> LoopState:
@@ -90,6 +94,8 @@ def _train(ctx: StageContext, fleet: Any, tokenizer: Any, start_path: str) -> di
             store.write_metrics(block, [m for m in loop.state.metrics if m["step"] >= block_first])
             bar.update(1)
             bar.set_postfix(reward=f"{row['rollout/reward_mean']:.3f}")
+            if not ctx.show_progress:  # a stage job: one line per step in its log instead of a bar
+                log.info("block %d %s", block, step_line(row))
 
         def on_commit(step: int) -> None:
             sinks.publish([m for m in loop.state.metrics if m["step"] <= step])
