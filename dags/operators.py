@@ -194,7 +194,9 @@ class StageOperator(BaseOperator):
         self.log.info("block %s %s: %s (stage log: %s)", event["block"], event["stage"], event.get("detail"),
                       stderr_path)
         if event.get("submitted_at") is not None:
-            _record_timing(event, float(event["submitted_at"]), stderr_path)
+            from milepost.dags.triggers import epoch_of
+
+            _record_timing(event, epoch_of(event["submitted_at"]), stderr_path)
         if self.stage == "evaluate":
             import yaml
             from milepost.core.recipe_io import recipe_from_dict

@@ -32,6 +32,20 @@ _CLOCK_SLACK_S = 2.0
 _LEASE_RENEW_S = 60.0
 
 
+def iso_time(epoch_s: float) -> str:
+    """A timestamp as a person and `epoch_of` read it: `2026-12-04T12:31:29.673+00:00`."""
+    import datetime as dt
+
+    return dt.datetime.fromtimestamp(epoch_s, dt.timezone.utc).isoformat(timespec="milliseconds")
+
+
+def epoch_of(value: float | str) -> float:
+    """The inverse of `iso_time` (a number passes through: events of an older trigger)."""
+    import datetime as dt
+
+    return float(value) if isinstance(value, (int, float)) else dt.datetime.fromisoformat(value).timestamp()
+
+
 class StageJobTrigger(BaseTrigger):
     """Waits until one stage job of one block ends; fires one event:
     `{"status": "done" | "failed", "job_id", "stage", "detail", …}`."""
@@ -77,7 +91,9 @@ class StageJobTrigger(BaseTrigger):
         return TriggerEvent({"status": status, "campaign_url": self.campaign_url, "block": self.block,
                              "stage": self.stage, "executor": self.executor, "job_id": self.job_id,
                              "record_state": record.get("state"), "detail": detail,
-                             "submitted_at": self.submitted_at, "stderr_path": self.stderr_path, **extra})
+                             # ISO 8601: Airflow logs the event into the task log ("Trigger fired event")
+                             "submitted_at": iso_time(self.submitted_at), "stderr_path": self.stderr_path,
+                             **extra})
 
     def _renew_lease(self) -> str | None:
         """Keep the run's campaign lease while its stage runs (a stage may run for hours); the

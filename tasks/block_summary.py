@@ -194,7 +194,8 @@ def step_line(row: dict[str, Any]) -> str:
     """One training step as a log line: `step 12: reward 0.410, kl 0.0012, …, 3.2 s`."""
     parts = [f"{label} {float(row[key]):{fmt}}" for key, label, fmt in _STEP_FIELDS if key in row]
     if "timing/step_s" in row:
-        parts.append(f"took {human_duration(float(row['timing/step_s']))}")
+        took = float(row["timing/step_s"])
+        parts.append(f"took {took:.1f} s" if took < 60 else f"took {human_duration(took)}")
     return f"step {row.get('step')}: " + ", ".join(parts)
 
 

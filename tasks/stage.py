@@ -147,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage", required=True, choices=STAGES)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The job's log is what a user reads: one line per engine request would bury the steps.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     from milepost.core.errors import user_error_in
 
     try:

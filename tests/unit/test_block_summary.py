@@ -133,7 +133,7 @@ def test_failure_advice_fits_the_kind_of_failure() -> None:
 def test_a_training_step_and_a_finished_stage_read_as_one_line_each() -> None:
     line = step_line({"step": 12, "rollout/reward_mean": 0.41, "loss/kl": 0.0012, "rollout/response_len_mean": 7.25,
                       "timing/step_s": 3.2})
-    assert line == "step 12: reward 0.410, kl 0.0012, response len 7.2, took 3 s"
+    assert line == "step 12: reward 0.410, kl 0.0012, response len 7.2, took 3.2 s"
     record = {"state": "done", "started_at": T0, "finished_at": T0 + 75, "eval": {"accuracy": 0.725}}
     assert stage_done_line(2, "evaluate", record) == "block 2 evaluate done in 1 min 15 s: held-out accuracy 0.725"
     train = {"steps": [41, 60], "model_sha256": "ab" * 32, "started_at": T0, "finished_at": T0 + 3}
