@@ -46,6 +46,7 @@ def use_campaign_ray_auth(store: CampaignStore) -> dict[str, str | None]:
     wanted = ray_auth_env(store)
     previous = {name: os.environ.get(name) for name in wanted}
     os.environ.update(wanted)
+    _reload_ray_auth_state()
     return previous
 
 
@@ -56,6 +57,23 @@ def restore_environment(previous: dict[str, str | None]) -> None:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+    _reload_ray_auth_state()
+
+
+def _reload_ray_auth_state() -> None:
+    """Make Ray in this process read the auth variables again. Ray caches the token it loaded
+    first (`AuthenticationTokenLoader`) and the auth mode (`RayConfig`) per process, so a
+    process that connected to one campaign's cluster (or started a local one, with its
+    ~/.ray token) would present that token to the next cluster and be refused
+    (`InvalidAuthToken`). Only between connections: Ray's core worker reads them while
+    connected."""
+    import sys
+    ray = sys.modules.get("ray")
+    if ray is None or ray.is_initialized():
+        return
+    from ray._raylet import AuthenticationTokenLoader, Config
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 @contextmanager

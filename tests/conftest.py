@@ -8,7 +8,9 @@ import pytest
 
 # Variables that, left behind by one test, change how every later test starts or joins Ray
 # (a stale token path counts as the user's own setting and the next head refuses its token).
-_PROCESS_WIDE = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS")
+# Not RAY_AUTH_MODE: Ray's own `ray.init()` of a local cluster sets it to `token` for the
+# process (with ~/.ray's token), which every later start or join honours.
+_PROCESS_WIDE = ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS")
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,51 @@
+"""One process, two campaigns' Ray clusters, each with its own token (real `ray start`).
+
+Ray caches, per process, the token it loaded first and the auth mode. A process that runs
+stages of several campaigns (a test session, a notebook, the embedded block driver) must
+present each cluster its own campaign's token: without tasks.ray_auth reloading Ray's
+state, the second connection is refused with `InvalidAuthToken` (seen in CI).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from milepost.core.store import CampaignStore
+from milepost.slurm.ray_join import wait_for_nodes
+from milepost.tasks.local_ray import free_ray_ports, start_local_head, stop_processes
+from milepost.tasks.ray_auth import campaign_ray_auth, ray_auth_env
+
+
+@pytest.fixture
+def no_user_ray_auth(monkeypatch):
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _head(store: CampaignStore, tmp: Path) -> dict:
+    ports = free_ray_ports(store.local_path())
+    temp_dir = tempfile.mkdtemp(prefix="mp-ray-auth-", dir="/tmp")  # Ray's socket paths must stay short
+    head = start_local_head(ports, temp_dir, tmp / f"{ports.gcs}.log", ray_auth_env(store), lambda pid, at: None)
+    return {**head, "temp_dir": temp_dir}
+
+
+def test_each_campaign_presents_its_own_token(tmp_path, no_user_ray_auth):
+    stores = [CampaignStore(str(tmp_path / name)) for name in ("a", "b")]
+    heads = []
+    try:
+        for store in stores:
+            with campaign_ray_auth(store):  # as run_stage does: start the head, join it
+                heads.append(_head(store, tmp_path))
+        for _ in range(2):  # and again, in the other order of tokens
+            for store, head in zip(stores, heads):
+                with campaign_ray_auth(store):
+                    assert wait_for_nodes(head["address"], 1, 60) == 1
+        assert "RAY_AUTH_TOKEN_PATH" not in os.environ
+    finally:
+        for head in heads:
+            stop_processes(list(zip(head["pids"], head["pids_created_at"])), head["temp_dir"], [],
+                           since=min(head["pids_created_at"]) - 1)
