@@ -10,17 +10,22 @@ reap it and read its exit status.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 import submitit
+import psutil
 from submitit.core.utils import pickle_load
 
 from milepost.slurm.executor import SubmititJobHandle, Task, as_function
 from milepost.slurm.options import Resources
 from milepost.slurm.state import JobState, Outcome
+
+
+CANCEL_KILL_WAIT_S = 10.0  # Slurm's KillWait is 30 s; a local task has less to flush
 
 
 class LocalJobHandle(SubmititJobHandle):
@@ -52,6 +57,25 @@ class LocalJobHandle(SubmititJobHandle):
         # Recorded first: a cancelled task leaves no result, like a crashed one.
         self._cancelled = True
         self._job.cancel()  # SIGINT to the controller, which stops its tasks
+        # As scancel does (SIGKILL after KillWait): a controller or task that outlives the
+        # interrupt (busy, or a task that catches it) is killed, with every process it started.
+        timer = threading.Timer(CANCEL_KILL_WAIT_S, self._kill_if_alive)
+        timer.daemon = True
+        timer.start()
+
+    def _kill_if_alive(self) -> None:
+        process = self._job._process
+        if process is None or process.poll() is not None:
+            return
+        try:
+            tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return
+        for proc in tree:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
 
     def wait(self, timeout_s: float | None = None, interval_s: float = 0.1) -> JobState:
         return super().wait(timeout_s, interval_s)
