@@ -149,7 +149,8 @@ def build_campaign_dag(recipe_path: str | Path, *, dag_id: str | None = None, ca
         for upstream, downstream in zip(stages, stages[1:]):
             upstream >> downstream
         teardown = StageOperator(task_id="teardown", stage="teardown", recipe_path=str(path),
-                                 poll_interval_s=poll_interval_s, trigger_rule=TriggerRule.ALL_DONE, retries=1)
+                                 poll_interval_s=poll_interval_s, trigger_rule=TriggerRule.ALL_DONE,
+                                 retries=3)  # idempotent; Airflow's false "Up For Retry" can hit it twice
         progress = ProgressOperator(task_id="progress", retries=retries)
         stages[-1] >> progress >> teardown
         stages[0] >> teardown

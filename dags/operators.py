@@ -28,6 +28,11 @@ from airflow.sdk import BaseOperator
 from milepost.dags.names import DRIVER_PID_ENV, EMBEDDED_DRIVER_PID_ENV, LEASE_OWNER_ENV
 
 
+# A scheduler's deferred stage resumes no sooner than this after its submission: see
+# StageJobTrigger.min_wait_s (Airflow's race with quick triggers). dag.test() has no executor.
+MIN_DEFERRED_S = 20.0
+
+
 def embedded() -> bool:
     return bool(os.environ.get(EMBEDDED_DRIVER_PID_ENV))
 
@@ -164,7 +169,8 @@ class StageOperator(BaseOperator):
                                            pid_created_at=_created_at(job.job_id) if executor.name == "local"
                                            else None, poll_interval_s=self.poll_interval_s,
                                            lease_owner=None if self.stage == "teardown" else owner,
-                                           stderr_path=str(job.stderr_path)),
+                                           stderr_path=str(job.stderr_path),
+                                           min_wait_s=0.0 if embedded() else MIN_DEFERRED_S),
                    method_name="execute_complete")
         return None  # not reached: defer() raises
 
@@ -225,11 +231,14 @@ class StageOperator(BaseOperator):
         timing = _stage_timing(store, block, self.stage)
         if timing is None:
             timing = _record_timing_from_record(store, block, self.stage, record)
-        self.log.info("block %d %s: already done by an earlier try: ran %s → %s (%s), job %s; its log: %s. "
+        job = f"Slurm job {record['slurm_job_id']}" if record.get("slurm_job_id") else f"pid {record.get('pid')}"
+        log_path = timing.get("log") or record.get("log")
+        self.log.info("block %d %s: already done by an earlier try: ran %s → %s (%s) as %s; its log: %s. "
                       "Keeping its outputs (a retry of a finished stage ends at once).", block, self.stage,
-                      human_time(started), human_time(finished), human_duration(finished - started),
-                      timing.get("job_id") or record.get("slurm_job_id") or record.get("pid"),
-                      timing.get("log") or "not recorded")
+                      human_time(started), human_time(finished), human_duration(finished - started), job,
+                      log_path or "not recorded")
+        if log_path:
+            _log_tail(self.log, log_path)
 
     def _finish_evaluate(self, store: Any, recipe: Any, block: int) -> None:
         """The regression gate's verdict (idempotent: `progress` acts on the same one), the
@@ -293,7 +302,7 @@ def _record_timing_from_record(store: Any, block: int, stage: str, record: dict[
     timings = store.read_json(rel) if store.exists(rel) else {"executor": None, "stages": {}}
     entry = {"job_id": record.get("slurm_job_id") or record.get("pid"), "submitted_at": record.get("started_at", 0.0),
              "started_at": record.get("started_at", 0.0), "finished_at": record.get("finished_at", 0.0),
-             "returned_at": time.time(), "log": None, "from_record": True}
+             "returned_at": time.time(), "log": record.get("log"), "from_record": True}
     timings["stages"][stage] = entry
     store.write_json(rel, timings)
     return entry

@@ -71,8 +71,10 @@ def _die_with_driver() -> None:
 
 def running_record(stage: str) -> dict[str, Any]:
     me = psutil.Process()
+    # `log`: where this job's output goes, kept in the done record too: a task retried after the
+    # stage finished (its first try's log hidden by Airflow) can still point to it.
     return {"state": "running", "started_at": _now(), "pid": me.pid, "pid_created_at": me.create_time(),
-            "host": socket.gethostname(), "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
+            "host": socket.gethostname(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "log": own_log_path()}
 
 
 def run_stage(campaign_url: str, block: int, stage: str, show_progress: bool = False) -> dict[str, Any]:
