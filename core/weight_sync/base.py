@@ -124,16 +124,30 @@ def on_engines(pool: ThreadPoolExecutor, clients: list[EngineClient], step: str,
     return replies
 
 
+CLEANUP_ATTEMPTS = 3
+
+
 def best_effort(pool: ThreadPoolExecutor, clients: list[EngineClient], timeout_s: float,
                 calls: Callable[[EngineClient, Deadline], None]) -> None:
     """Cleanup that must not hang nor raise: `calls` on every engine, all within timeout_s."""
     deadline = Deadline(timeout_s, "cleanup")
 
     def run(c: EngineClient) -> None:
-        try:
-            calls(c, deadline)
-        except Exception as exc:  # noqa: BLE001 - logged; the push already failed or succeeded
-            log.warning("cleanup on %s failed: %s", c.base_url, exc)
+        for attempt in range(CLEANUP_ATTEMPTS):
+            try:
+                calls(c, deadline)
+                return
+            except Exception as exc:  # noqa: BLE001 - logged; the push already failed or succeeded
+                # No reply at all (a pooled connection the engine had closed: "Server
+                # disconnected without sending a response"): the engine never saw the call,
+                # and an engine left paused would hang every later request, so try again.
+                # The cleanup calls are idempotent (continue carries the push's id).
+                again = (isinstance(exc, EngineError) and exc.status is None and deadline.end - time.monotonic() > 0.5
+                         and attempt + 1 < CLEANUP_ATTEMPTS)
+                log.warning("cleanup on %s failed%s: %s", c.base_url, ", trying again" if again else "", exc)
+                if not again:
+                    return
+                time.sleep(0.2)
 
     futures = [pool.submit(run, c) for c in clients]
     for f in futures:
