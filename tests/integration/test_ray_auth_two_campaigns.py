@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -26,26 +27,28 @@ def no_user_ray_auth(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
-def _head(store: CampaignStore, tmp: Path) -> dict:
+def _head(store: CampaignStore, tmp: Path, started: list[dict]) -> dict:
     ports = free_ray_ports(store.local_path())
-    temp_dir = tempfile.mkdtemp(prefix="mp-ray-auth-", dir="/tmp")  # Ray's socket paths must stay short
-    head = start_local_head(ports, temp_dir, tmp / f"{ports.gcs}.log", ray_auth_env(store), lambda pid, at: None)
-    return {**head, "temp_dir": temp_dir}
+    mine: dict = {"temp_dir": tempfile.mkdtemp(prefix="mp-ray-auth-", dir="/tmp"), "pids": []}  # short socket paths
+    started.append(mine)  # before the start: a head whose start fails is stopped too
+    return start_local_head(ports, mine["temp_dir"], tmp / f"{ports.gcs}.log", ray_auth_env(store),
+                            lambda pid, at: mine["pids"].append((pid, at)))
 
 
 def test_each_campaign_presents_its_own_token(tmp_path, no_user_ray_auth):
     stores = [CampaignStore(str(tmp_path / name)) for name in ("a", "b")]
-    heads = []
+    heads: list[dict] = []
+    started: list[dict] = []
+    since = time.time()
     try:
         for store in stores:
             with campaign_ray_auth(store):  # as run_stage does: start the head, join it
-                heads.append(_head(store, tmp_path))
+                heads.append(_head(store, tmp_path, started))
         for _ in range(2):  # and again, in the other order of tokens
             for store, head in zip(stores, heads):
                 with campaign_ray_auth(store):
                     assert wait_for_nodes(head["address"], 1, 60) == 1
         assert "RAY_AUTH_TOKEN_PATH" not in os.environ
     finally:
-        for head in heads:
-            stop_processes(list(zip(head["pids"], head["pids_created_at"])), head["temp_dir"], [],
-                           since=min(head["pids_created_at"]) - 1)
+        for head in started:
+            stop_processes(head["pids"], head["temp_dir"], [], since=since)
