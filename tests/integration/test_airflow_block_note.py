@@ -14,7 +14,6 @@ One tiny block (tiny-arith, 1 block of 2 steps) is triggered with the run id `bl
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -25,6 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+# The helper that builds the recipe's tiny model into a cache is shared with tests/faults.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "faults"))
+import fault_campaign as cp  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 DAG_ID = "milepost_tiny_arith"
@@ -81,12 +84,7 @@ def airflow(tmp_path_factory) -> Any:
     listing = work / "campaigns.yaml"
     listing.write_text(f"- recipe: {ROOT / 'recipes' / 'tiny-arith.yaml'}\n  campaign_url: {work / 'default'}\n"
                        "  poll_interval_s: 2\n  retry_delay_s: 5\n")
-    # The tiny model is built once here, so that no stage job pays for it.
-    build = ("import sys; from milepost.core.recipe_io import load_recipe; "
-             "from milepost.core.model.loading import resolve_model_path; "
-             "r = load_recipe('recipes/tiny-arith.yaml', sys.argv[1:]); resolve_model_path(r.model, r.seed)")
-    subprocess.run([sys.executable, "-c", build, *OVERRIDES], cwd=ROOT, check=True, timeout=900,
-                   env={**os.environ, "MILEPOST_CACHE": str(cache)}, capture_output=True)
+    cp.build_model(cache, OVERRIDES)  # built once here, so that no stage job pays for it
     state = airflow_cmd.up(work, parallelism=2,
                            env_extra={"MILEPOST_CAMPAIGNS_FILE": str(listing), "MILEPOST_CACHE": str(cache)})
     try:
