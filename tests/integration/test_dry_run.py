@@ -55,7 +55,7 @@ def test_sglang_recipe_prints_the_sglang_commands_on_gpu_bundles(tmp_path) -> No
 
 
 def test_builtin_engine_cannot_take_tp2_and_bad_recipes_exit_2(tmp_path) -> None:
-    refused = _dry_run(str(ROOT / "recipes/qwen3-8b-gsm8k.yaml"), cwd=tmp_path)
+    refused = _dry_run(str(ROOT / "recipes/qwen3-8b-gsm8k.yaml"), "--set", "rollout.engine=builtin", cwd=tmp_path)
     assert refused.returncode == 2 and "rollout.engine: sglang" in refused.stderr
     bad = _dry_run(str(ROOT / "recipes/tiny-arith.yaml"), "--set", 'rollout.sglang.extra_args=["--port=1"]',
                    cwd=tmp_path)
