@@ -35,21 +35,14 @@ def pytest_addoption(parser):
     group.addoption("--soak-seed", type=int, default=1, help="first seed of each cell (default 1)")
 
 
-def option(config, name: str, default=None):
-    try:
-        return config.getoption(name)
-    except ValueError:  # conftest not loaded at start-up (pytest run from a parent folder)
-        return default
-
-
 @pytest.fixture(scope="session")
 def fault_shape(request) -> cp.Shape:
-    return cp.Shape(steps_per_block=option(request.config, "--soak-steps", 2))
+    return cp.Shape(steps_per_block=cp.option(request.config, "--soak-steps", 2))
 
 
 @pytest.fixture(scope="session")
 def fault_root(request, tmp_path_factory) -> Path:
-    chosen = option(request.config, "--soak-dir")
+    chosen = cp.option(request.config, "--soak-dir")
     root = Path(chosen) if chosen else tmp_path_factory.mktemp("faults")
     root.mkdir(parents=True, exist_ok=True)
     return root.resolve()

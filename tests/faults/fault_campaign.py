@@ -32,6 +32,15 @@ EXECUTORS = {"local": (),
              "slurm": ("cluster.executor=slurm", "cluster.num_nodes=2", "cluster.slurm.time_min=30")}
 
 
+
+def option(config, name: str, default=None):
+    """A --soak option's value; `default` where this suite's conftest was not loaded at
+    start-up (pytest run from a parent folder)."""
+    try:
+        return config.getoption(name)
+    except ValueError:
+        return default
+
 @dataclass(frozen=True)
 class Shape:
     """How big one campaign is: one epoch of the built-in data set, exactly."""

@@ -19,7 +19,6 @@ import pytest
 
 import fault_campaign as cp
 import fault_kinds as faults
-from conftest import option
 
 HERE = Path(__file__).resolve().parent
 RESULTS_MD, RESULTS_CSV = HERE / "RESULTS.md", HERE / "results.csv"
@@ -46,7 +45,7 @@ def _explain(r: faults.Result) -> str:
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("kind,mode,seed,anchor", CI_CASES, ids=[f"{k}-{m}" for k, m, _, _ in CI_CASES])
 def test_fault_is_recovered(kind, mode, seed, anchor, fault_root, fault_cache, fault_shape, references, request):
-    if option(request.config, "--soak", False):
+    if cp.option(request.config, "--soak", False):
         pytest.skip("--soak runs the whole matrix instead")
     p = faults.plan(kind, mode, seed, fault_shape, anchor)
     ref = references(mode, p.executor) if mode == "sync" else None
@@ -74,13 +73,13 @@ def _deadline(text: str | None) -> float | None:
 @pytest.mark.timeout(0)
 def test_soak(request, fault_root, fault_cache, fault_shape, references):
     config = request.config
-    if not option(config, "--soak", False):
+    if not cp.option(config, "--soak", False):
         pytest.skip("the soak runs with --soak")
-    kinds = tuple((option(config, "--soak-kinds") or ",".join(faults.KINDS)).split(","))
-    all_plans = soak_plans(option(config, "--soak-runs", 60), fault_shape, option(config, "--soak-seed", 1), kinds)
+    kinds = tuple((cp.option(config, "--soak-kinds") or ",".join(faults.KINDS)).split(","))
+    all_plans = soak_plans(cp.option(config, "--soak-runs", 60), fault_shape, cp.option(config, "--soak-seed", 1), kinds)
     plans = all_plans
-    workers = option(config, "--soak-workers", 1)
-    deadline = _deadline(option(config, "--soak-deadline"))
+    workers = cp.option(config, "--soak-workers", 1)
+    deadline = _deadline(cp.option(config, "--soak-deadline"))
     if any(p.executor == "slurm" for p in plans):
         from milepost.slurm.devcluster import check_dev_cluster
         problem = check_dev_cluster(min_nodes=2)
@@ -89,7 +88,7 @@ def test_soak(request, fault_root, fault_cache, fault_shape, references):
 
     started, lock, slurm_lock = time.monotonic(), threading.Lock(), threading.Lock()
     # --soak-resume: keep the runs results.csv already holds (an interrupted soak), run the rest
-    results: list[faults.Result] = faults.load_results(RESULTS_CSV) if option(config, "--soak-resume") else []
+    results: list[faults.Result] = faults.load_results(RESULTS_CSV) if cp.option(config, "--soak-resume") else []
     done = {(r.kind, r.mode, r.seed) for r in results}
     plans = [p for p in all_plans if (p.kind, p.mode, p.seed) not in done]
     skipped: list[str] = []
@@ -101,7 +100,7 @@ def test_soak(request, fault_root, fault_cache, fault_shape, references):
             "# Fault-injection soak (tests/faults)", "",
             f"Command: `python -m pytest tests/faults -k soak --soak --soak-runs {len(all_plans)} --soak-workers {workers}"
             f" --soak-steps {fault_shape.steps_per_block}"
-            + (f" --soak-deadline {option(config, '--soak-deadline')}`" if deadline else "`"),
+            + (f" --soak-deadline {cp.option(config, '--soak-deadline')}`" if deadline else "`"),
             f"(started {begun}, {len(results)} of {len(all_plans)} runs done, wall {wall / 60:.1f} min,"
             f" {workers} at once, 2-core machine shared with other work)"
             + (f"; product code of commit {os.environ['MILEPOST_FAULTS_COMMIT']} (a snapshot: the shared working"
