@@ -287,6 +287,26 @@ class MegatronConfig(Section):
                                          "GPU, the same math eagerly on CPU); false: megatron's unfused ops.")
 
 
+class LoraConfig(Section):
+    """train.lora: train a low-rank adapter (PEFT's LoRA) instead of every weight; engines keep
+    the base weights and get only the adapter (core/weight_sync/lora_push.py)."""
+
+    rank: int = Field(8, ge=1, description="r: the adapter's rank.")
+    alpha: float = Field(16.0, gt=0.0, description="lora_alpha: the update is scaled by alpha / rank.")
+    target_modules: list[str] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj"],
+        description="Linear layers to adapt, by the last part(s) of their names (PEFT's matching).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="lora_dropout on the adapter's input (training only).")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_targets(cls, names: list[str]) -> list[str]:
+        if not names or any(not n or n != n.strip() for n in names):
+            raise ValueError(f"train.lora.target_modules must name at least one Linear layer, e.g. [q_proj, v_proj]; "
+                             f"got {names}")
+        return names
+
+
 class TrainConfig(Section):
     backend: Literal["torch", "megatron"] = "torch"
     num_ranks: int = Field(2, ge=1, description="Trainer processes (one per GPU on GPU machines).")
@@ -301,6 +321,7 @@ class TrainConfig(Section):
     grad_clip: float = Field(1.0, gt=0.0)
     num_threads_per_rank: int = Field(1, ge=1)
     megatron: MegatronConfig = MegatronConfig()
+    lora: LoraConfig | None = Field(None, description="A LoRA adapter instead of full fine-tuning; null: off.")
 
     @field_validator("betas")
     @classmethod
@@ -538,6 +559,10 @@ class Recipe(Section):
                 f"loop.max_staleness={self.loop.max_staleness} needs cluster.placement: disaggregated: "
                 "colocated engines sleep while the trainer runs, so nothing can be generated ahead; "
                 "set cluster.placement=disaggregated, or loop.max_staleness=0")
+        if self.train.lora is not None and self.sync.transport != "disk":
+            raise ValueError(
+                f"train.lora sends only the adapter, as a PEFT folder through /load_lora_adapter; "
+                f"sync.transport={self.sync.transport} is for full weights: set sync.transport=disk")
         if self.algo.advantage in ("grpo", "dr_grpo", "rloo") and self.rollout.num_samples_per_prompt < 2:
             raise ValueError(
                 f"rollout.num_samples_per_prompt must be >= 2 for advantage `{self.algo.advantage}` "

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from milepost.core.algo.losses import rl_loss
 from milepost.core.config import AlgoConfig, TrainConfig
+from milepost.core.train import lora
 from milepost.core.train.batch import (collate, count_loss_tokens, num_micro_batches,
                                        padding_sample, shard_by_rank, split_micro_batches)
 from milepost.core.train.nonfinite import (SKIPPED_METRIC, NonFiniteWeightsError, agree_to_skip,
@@ -106,7 +107,9 @@ class RankWorker(SenderRank):
         np.random.seed((self.seed + self.rank) % 2**32)
         torch.manual_seed(self.seed)
         self.module = load_causal_lm(self.model_path, torch.float32).eval()
-        if self.rank == 0:  # the rank that sends weights: buckets become spans (no copy to send)
+        if self.train_cfg.lora is not None:  # base frozen; only the adapter trains and is sent (disk)
+            lora.inject(self.module, self.train_cfg.lora, self.seed)
+        elif self.rank == 0:  # the rank that sends weights: buckets become spans (no copy to send)
             pack_parameters(self.module)
         self.pad_id = int(self.module.config.pad_token_id or 0)
         self.model = DDP(self.module)
@@ -114,7 +117,8 @@ class RankWorker(SenderRank):
         if self.ref is not None:
             self.ref.requires_grad_(False)
         cfg = self.train_cfg
-        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
+        trained = [p for p in self.module.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trained, lr=cfg.lr, betas=tuple(cfg.betas),
                                            weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps, self.total_steps))
@@ -171,15 +175,19 @@ class RankWorker(SenderRank):
         if bad is not None:
             raise NonFiniteWeightsError(nonfinite_weights_message(bad, f"torch backend rank {self.rank}"))
         folder = Path(path)
-        if self.rank == 0:
-            torch.save(self.module.state_dict(), folder / "model.pt")
+        if self.rank == 0:  # with LoRA the adapter only: the base never changes
+            torch.save(self._policy_state(), folder / "model.pt")
             torch.save(self.scheduler.state_dict(), folder / "scheduler.pt")
         torch.save(self.optimizer.state_dict(), folder / f"optim_rank{self.rank}.pt")
         torch.save(_rng_state(), folder / f"rng_rank{self.rank}.pt")
 
     def load(self, path: str) -> None:
         folder = Path(path)
-        self.module.load_state_dict(torch.load(folder / "model.pt", weights_only=True))
+        state = torch.load(folder / "model.pt", weights_only=True)
+        if self.train_cfg.lora is not None:
+            lora.load_adapter_state(self.module, state)
+        else:
+            self.module.load_state_dict(state)
         optim = folder / f"optim_rank{self.rank}.pt"
         optim = optim if optim.exists() else folder / "optim_rank0.pt"  # DDP ranks hold equal states
         self.optimizer.load_state_dict(torch.load(optim, weights_only=True))
@@ -188,7 +196,14 @@ class RankWorker(SenderRank):
         if rng.exists():
             _set_rng_state(torch.load(rng, weights_only=False))
 
+    def _policy_state(self) -> dict[str, torch.Tensor]:
+        """What defines the policy beyond the base model: every weight, or the adapter's."""
+        return lora.adapter_state(self.module) if self.train_cfg.lora is not None else self.module.state_dict()
+
     def export(self, path: str) -> None:
+        if self.train_cfg.lora is not None:  # a PEFT adapter folder (core/train/lora.py)
+            lora.save_adapter(path, self._policy_state(), self.train_cfg.lora, self.model_path)
+            return
         self.module.save_pretrained(path, max_shard_size="1000GB")
         for name in TOKENIZER_FILES:
             src = Path(self.model_path) / name
@@ -196,7 +211,7 @@ class RankWorker(SenderRank):
                 shutil.copy2(src, Path(path) / name)
 
     def sha256(self) -> str:
-        return state_sha256(self.module.state_dict())
+        return state_sha256(self._policy_state())
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
