@@ -373,7 +373,8 @@ class EvalConfig(Section):
 
 
 # Sinks beside blocks/<n>/metrics.jsonl, and the extra each needs (module to find, pip extra).
-SINK_EXTRAS = {"tensorboard": ("tensorboard", "tensorboard"), "mlflow": ("mlflow", "mlflow")}
+SINK_EXTRAS = {"tensorboard": ("tensorboard", "tensorboard"), "mlflow": ("mlflow", "mlflow"),
+               "wandb": ("wandb", "wandb")}
 KNOWN_SINKS = ("jsonl", *SINK_EXTRAS)
 
 
@@ -402,8 +403,9 @@ class MetricsConfig(Section):
 
     sinks: tuple[str, ...] = Field(
         ("jsonl",), description="Any of jsonl, tensorboard (<campaign>/metrics/tensorboard), "
-                                "mlflow (one run per campaign); each but jsonl needs its extra: "
-                                "pip install 'milepost[tensorboard]' / 'milepost[mlflow]'.")
+                                "mlflow, wandb (one offline run per campaign); each but jsonl needs its "
+                                "extra: pip install 'milepost[tensorboard]' / 'milepost[mlflow]' / "
+                                "'milepost[wandb]'.")
     mlflow: MlflowSinkConfig = MlflowSinkConfig()
 
     @field_validator("sinks")
@@ -413,10 +415,6 @@ class MetricsConfig(Section):
         import importlib.util
 
         for name in sinks:
-            if name == "wandb":
-                raise ValueError(
-                    "metrics.sinks: wandb is not supported yet (its offline runs cannot be read back "
-                    "to prove each step is written once across restarts); use tensorboard or mlflow")
             if name not in KNOWN_SINKS:
                 close = difflib.get_close_matches(name, KNOWN_SINKS, n=1)
                 hint = f" (did you mean {close[0]}?)" if close else ""
