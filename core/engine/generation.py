@@ -52,6 +52,7 @@ class Sequence:
     finish_reason: dict[str, Any] | None = None
     abort_message: str | None = None
     on_done: Callable[["Sequence"], None] | None = None
+    lora_name: str | None = None  # the LoRA adapter it runs with (core/engine/lora_adapter.py); None: base
 
     def reset(self) -> None:
         """Forget partial output (retract): it is recomputed from the same seed."""

@@ -32,6 +32,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from milepost.core.engine.http_guard import DEFAULT_MAX_BODY_MB, guard, read_key_file
 from milepost.core.engine.generation import Generator, SamplingParams, Sequence, make_sequences
+from milepost.core.engine.lora_adapter import EngineLora, add_lora_routes, requested_adapters, take_batch
 from milepost.core.engine.memory import MemoryOccupation, parse_tags
 from milepost.core.engine.weight_receiver import WeightReceiver
 from milepost.core.engine.weight_routes import add_weight_routes, client_gone
@@ -101,6 +102,7 @@ class Scheduler:
         self._updating = False
         self.receiver = WeightReceiver(self, weight_update_timeout_s)
         self.memory = MemoryOccupation(self)
+        self.lora = EngineLora()  # serve() enables it with --enable-lora
 
     def load(self) -> None:
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).eval()
@@ -135,10 +137,11 @@ class Scheduler:
                 self._gather()
                 if not self._queue or self._paused or self._updating:
                     continue
-                batch = [self._queue.popleft() for _ in range(min(self.max_batch_size, len(self._queue)))]
+                batch = take_batch(self._queue, self.max_batch_size)  # one LoRA adapter per batch
                 self._running = batch
             try:
-                done = self.generator.run_batch(batch, self.model_lock, self._step_hook)
+                with self.lora.active(batch[0].lora_name):
+                    done = self.generator.run_batch(batch, self.model_lock, self._step_hook)
             except Exception as exc:  # never kill the scheduler: fail this batch only
                 log.exception("batch failed")
                 for s in batch:
@@ -473,6 +476,13 @@ def create_app(sched: Scheduler) -> FastAPI:
             raise BadRequest("`logprob_start_len` must be an int in [-1, prompt length)")
         rid = body.get("rid") or uuid.uuid4().hex
         seqs = [s for p, params in zip(prompts, per_input) for s in make_sequences(p, params, n, str(rid), start)]
+        try:
+            adapters = requested_adapters(body, len(prompts))
+            sched.lora.check_requested(adapters)
+        except ValueError as exc:  # SGLang's texts: an unknown adapter, LoRA not enabled
+            raise BadRequest(str(exc)) from None
+        for i, s in enumerate(seqs):
+            s.lora_name = adapters[i // n]
         await sched.submit(seqs)
         out = [_response(s, sched, body, skip, t0, sched.weight_version) for s in seqs]
         return out if (batched or n > 1) else out[0]
@@ -541,6 +551,7 @@ def create_app(sched: Scheduler) -> FastAPI:
         return {"success": True, "message": "ok"}
 
     add_weight_routes(app, sched, sched.receiver)
+    add_lora_routes(app, sched)
 
     @app.post("/release_memory_occupation")
     async def release_memory(request: Request) -> Any:
@@ -580,7 +591,8 @@ def create_app(sched: Scheduler) -> FastAPI:
                 "accepts_push_id": True,  # /pause_generation and /continue_generation take `push_id`
                 "end_weight_update_abort": True,  # /end_weight_update takes `abort` (discards the session)
                 # /update_weights_from_tensor also takes milepost's shm descriptor (beside SGLang's pickle)
-                "tensor_formats": [SHM_FORMAT]}
+                "tensor_formats": [SHM_FORMAT], "enable_lora": sched.lora.enabled,
+                "max_lora_rank": sched.lora.max_rank, "lora_target_modules": sched.lora.target_modules}
 
     @app.get("/get_load")
     async def get_load() -> Any:
@@ -591,11 +603,13 @@ def create_app(sched: Scheduler) -> FastAPI:
 
 def serve(model_path: str, host: str, port: int, weight_version: str = "0", max_batch_size: int = 512,
           weight_update_timeout_s: float = 300.0, admin_api_key: str | None = None,
-          max_body_mb: float = DEFAULT_MAX_BODY_MB, deterministic: bool = False) -> None:
+          max_body_mb: float = DEFAULT_MAX_BODY_MB, deterministic: bool = False,
+          lora: EngineLora | None = None) -> None:
     """Bind at once (health answers 503), load the model in the background, serve forever.
     `admin_api_key`: admin endpoints need it (http_guard.py); None leaves them open.
     `deterministic`: outputs that do not depend on the batch (generation.Generator)."""
     sched = Scheduler(model_path, weight_version, max_batch_size, weight_update_timeout_s, deterministic)
+    sched.lora = lora or sched.lora
     threading.Thread(target=load_engine, args=(sched,), daemon=True, name="engine-load").start()
     app = guard(create_app(sched), admin_api_key, int(max_body_mb * 2**20))
     uvicorn.run(app, host=host, port=port, log_level="warning")
@@ -649,6 +663,10 @@ def build_parser() -> argparse.ArgumentParser:
                        ("--mem-fraction-static", float), ("--nccl-port", int)):
         ap.add_argument(flag, type=kind, default=REFUSED_FLAGS[flag[2:].replace("-", "_")], help=argparse.SUPPRESS)
     ap.add_argument("--enable-return-routed-experts", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--enable-lora", action="store_true", help="SGLang's flag: /load_lora_adapter and lora_path")
+    ap.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank accepted")
+    ap.add_argument("--lora-target-modules", nargs="*", default=None, help="layers adapters may adapt")
+    ap.add_argument("--max-loras-per-batch", type=int, default=8, help="accepted (one adapter per batch here)")
     ap.add_argument("--enable-deterministic-inference", action="store_true",
                     help="SGLang's flag: outputs and logprobs that do not depend on the batch a request "
                          "runs in (each sequence decoded alone; slower)")
@@ -713,7 +731,7 @@ def main(argv: list[str] | None = None) -> None:
     load_engine = load_or_exit
     serve(a.model_path, a.host, a.port, a.weight_version, a.max_batch_size, a.weight_update_timeout_s,
           admin_key_from_args(a.admin_api_key, a.admin_api_key_file), a.max_request_body_mb,
-          a.enable_deterministic_inference)
+          a.enable_deterministic_inference, EngineLora(a.enable_lora, a.max_lora_rank, a.lora_target_modules))
 
 
 if __name__ == "__main__":
