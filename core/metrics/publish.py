@@ -6,6 +6,7 @@ the store: the base policy's eval at step 0 and each evaluated block's at its la
 from __future__ import annotations
 
 import logging
+import os
 import posixpath
 from typing import Any
 
@@ -29,6 +30,8 @@ def open_sinks(recipe: Recipe, store: CampaignStore) -> SinkSet:
                 sinks.append(TensorBoardSink(store.local_path("metrics", "tensorboard")))
             elif name == "mlflow":
                 sinks.append(_mlflow_sink(recipe, store))
+            elif name == "wandb":
+                sinks.append(_wandb_sink(recipe, store))
         except Exception as e:  # noqa: BLE001 - see the docstring
             log.warning("metrics sink %s could not be opened (%s: %s); this stage writes no metrics to it, "
                         "a later stage catches up", name, type(e).__name__, e)
@@ -45,6 +48,16 @@ def _mlflow_sink(recipe: Recipe, store: CampaignStore) -> MetricSink:
     return MlflowSink(uri, config.experiment or recipe.campaign.name, campaign_url=store.url,
                       run_name=posixpath.basename(store.url) or recipe.campaign.name,
                       artifact_location=artifacts, params=recipe_params(recipe))
+
+
+def _wandb_sink(recipe: Recipe, store: CampaignStore) -> MetricSink:
+    from milepost.core.metrics.mlflow_sink import campaign_id
+    from milepost.core.metrics.wandb_sink import WandbSink
+
+    # W&B's own variable names the project when set (as for any W&B run); else the campaign's name.
+    project = os.environ.get("WANDB_PROJECT") or recipe.campaign.name
+    return WandbSink(store.local_path("metrics", "wandb"), project, run_id=campaign_id(store.url),
+                     run_name=posixpath.basename(store.url) or recipe.campaign.name, config=recipe_params(recipe))
 
 
 def recipe_params(recipe: Recipe) -> dict[str, str]:

@@ -102,7 +102,7 @@ def test_mlflow_sink_keeps_one_run_per_campaign_and_each_step_once(tmp_path: Pat
 
 @pytest.mark.parametrize("sinks, expected", [
     (["tensorbord"], "unknown sink 'tensorbord' (did you mean tensorboard?)"),
-    (["wandb"], "metrics.sinks: wandb is not supported yet"),
+    (["wandbb"], "unknown sink 'wandbb' (did you mean wandb?)"),
     (["mlflow", "mlflow"], "lists a sink twice"),
 ])
 def test_a_wrong_sink_names_the_field_and_the_choices(sinks: list[str], expected: str) -> None:
