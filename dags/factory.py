@@ -87,7 +87,8 @@ lives in its store (`campaign_url`), so any run can be retried or resumed.
 **What a finished run shows:** its **note** (on the run's page and in the runs list) is the
 block's summary: steps, held-out accuracy against the block before (the base policy for
 block 0), reward, the regression gate's verdict, checkpoint, wall time and the plot of the
-campaign's curves (`<campaign>/blocks/<N>/report.png`, with `summary.md`). The `evaluate`
+campaign's curves (`<campaign>/blocks/<N>/report.png`), and the block's page
+`<campaign>/blocks/<N>/report.html` (the table, the plot inside it, one row per step). The `evaluate`
 and `progress` task logs end with the same table. Each stage task's log names its stage
 job's own log, which holds what the stage printed (steps, rewards, accuracy, errors), and
 shows its last lines.

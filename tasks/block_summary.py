@@ -1,6 +1,6 @@
 """What one block achieved, as one table: the DAG run's note in the Airflow UI, the end of the
-evaluate and progress task logs, `blocks/N/summary.md` and (with matplotlib) the campaign's
-curves so far in `blocks/N/report.png`.
+evaluate and progress task logs, `blocks/N/summary.md`, (with matplotlib) the campaign's
+curves so far in `blocks/N/report.png`, and `blocks/N/report.html` holding both and the steps.
 
 Read from the store only: the stage records, the block's metrics.jsonl, gate.json (the
 regression gate's verdict), base_eval.json and timings.json. Standard library only at import
@@ -18,6 +18,7 @@ from milepost.core.store import CampaignStore
 # Airflow 3.3.2 refuses a DAG-run note longer than this (DAGRunPatchBody.note, max_length).
 NOTE_MAX_CHARS = 1000
 REPORT_PNG = "report.png"
+REPORT_HTML = "report.html"  # written by tasks/block_html.py
 SUMMARY_MD = "summary.md"
 
 
@@ -36,6 +37,7 @@ class BlockSummary:
     model_sha256: str | None
     wall_time_s: float | None               # first stage submitted → evaluate finished
     report_path: str | None                 # the PNG of the campaign's curves, when drawn
+    html_path: str | None = None            # blocks/N/report.html (table, plot, steps), when written
 
 
 def human_duration(seconds: float) -> str:
@@ -104,7 +106,9 @@ def read_block_summary(store: CampaignStore, block: int) -> BlockSummary:
         reward_mean=sum(rewards) / len(rewards) if rewards else None,
         gate=gate, gate_detail=detail, checkpoint_step=sync.get("step"),
         model_sha256=train.get("model_sha256"), wall_time_s=_wall_time(store, block),
-        report_path=report if store.exists("blocks", f"{block:06d}", REPORT_PNG) else None)
+        report_path=report if store.exists("blocks", f"{block:06d}", REPORT_PNG) else None,
+        html_path=store.path("blocks", f"{block:06d}", REPORT_HTML)
+        if store.exists("blocks", f"{block:06d}", REPORT_HTML) else None)
 
 
 def _num(value: float | None, fmt: str = ".3f") -> str:
@@ -125,7 +129,8 @@ def summary_rows(s: BlockSummary) -> list[tuple[str, str]]:
             ("regression gate", gate + (f" ({s.gate_detail})" if s.gate else "")),
             ("checkpoint", checkpoint),
             ("wall time", "—" if s.wall_time_s is None else human_duration(s.wall_time_s)),
-            ("plot", s.report_path or "not drawn (pip install 'milepost[plot]')")]
+            ("plot", s.report_path or "not drawn (pip install 'milepost[plot]')")] + (
+                [("report", s.html_path)] if s.html_path else [])
 
 
 def format_summary(s: BlockSummary) -> str:
@@ -134,8 +139,10 @@ def format_summary(s: BlockSummary) -> str:
     rows = summary_rows(s)
     table = "\n".join(["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
     text = f"{head}\n\n{table}"
-    if len(text) > NOTE_MAX_CHARS and s.report_path:  # a very deep store path: keep the numbers
-        return format_summary(replace(s, report_path=f"blocks/{s.block:06d}/{REPORT_PNG}"))
+    if len(text) > NOTE_MAX_CHARS and (s.report_path or s.html_path):  # a very deep store path: keep the numbers
+        rel = f"blocks/{s.block:06d}/"
+        return format_summary(replace(s, report_path=s.report_path and rel + REPORT_PNG,
+                                      html_path=s.html_path and rel + REPORT_HTML))
     return text[:NOTE_MAX_CHARS]
 
 
@@ -154,8 +161,14 @@ def draw_report(store: CampaignStore, block: int) -> str | None:
 
 
 def write_block_report(store: CampaignStore, block: int) -> BlockSummary:
-    """Draw the plot, then write blocks/N/summary.md; the summary they show."""
+    """Draw the plot, write blocks/N/report.html (the table, the plot inline, the steps), then
+    blocks/N/summary.md; the summary they show."""
+    from milepost.tasks.block_html import write_html_report
+
     draw_report(store, block)
+    drawn = read_block_summary(store, block)
+    write_html_report(store, block, f"milepost block {block}", summary_rows(replace(drawn, html_path=None)),
+                      f"blocks/{block:06d}/{REPORT_PNG}" if drawn.report_path else None)
     summary = read_block_summary(store, block)
     store.write_text_atomic(f"blocks/{block:06d}/{SUMMARY_MD}", format_summary(summary) + "\n")
     return summary

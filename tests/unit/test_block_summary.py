@@ -4,6 +4,7 @@ built from real store files."""
 
 from __future__ import annotations
 
+import base64
 import re
 
 import pytest
@@ -107,6 +108,14 @@ def test_the_report_is_drawn_into_the_store_and_named_in_the_summary(store) -> N
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert f"| plot | {png} |" in store.read_text("blocks/000000/summary.md")
+    page = store.read_text("blocks/000000/report.html")  # self-contained: the PNG is inline
+    assert summary.html_path == store.path("blocks", "000000", "report.html")
+    assert f"| report | {summary.html_path} |" in store.read_text("blocks/000000/summary.md")
+    with open(png, "rb") as f:
+        assert base64.b64encode(f.read()).decode() in page
+    assert "<td>held-out accuracy</td><td class=n>0.680" in page and "<td>regression gate</td>" in page
+    assert page.count("<tr>") == 1 + 7 + 1 + 2  # summary head + 7 rows (not itself), steps head + 2 steps
+    assert "<td class=n>0.250</td>" in page and "src=\"file" not in page
 
 
 def test_the_note_fits_airflows_limit_even_with_a_very_deep_store(tmp_path) -> None:
