@@ -28,11 +28,6 @@ from airflow.sdk import BaseOperator
 from milepost.dags.names import DRIVER_PID_ENV, EMBEDDED_DRIVER_PID_ENV, LEASE_OWNER_ENV
 
 
-# A scheduler's deferred stage resumes no sooner than this after its submission: see
-# StageJobTrigger.min_wait_s (Airflow's race with quick triggers). dag.test() has no executor.
-MIN_DEFERRED_S = 20.0
-
-
 def embedded() -> bool:
     return bool(os.environ.get(EMBEDDED_DRIVER_PID_ENV))
 
@@ -169,8 +164,7 @@ class StageOperator(BaseOperator):
                                            pid_created_at=_created_at(job.job_id) if executor.name == "local"
                                            else None, poll_interval_s=self.poll_interval_s,
                                            lease_owner=None if self.stage == "teardown" else owner,
-                                           stderr_path=str(job.stderr_path),
-                                           min_wait_s=0.0 if embedded() else MIN_DEFERRED_S),
+                                           stderr_path=str(job.stderr_path)),
                    method_name="execute_complete")
         return None  # not reached: defer() raises
 

@@ -53,7 +53,8 @@ class StageJobTrigger(BaseTrigger):
     def __init__(self, campaign_url: str, block: int, stage: str, executor: str, job_id: str,
                  submitted_at: float, pid_created_at: float | None = None,
                  poll_interval_s: float = 5.0, lease_owner: str | None = None, stderr_path: str = "",
-                 min_wait_s: float = 0.0, **kwargs: Any) -> None:
+                 **kwargs: Any) -> None:
+        kwargs.pop("min_wait_s", None)  # serialized by an older milepost (a floor since removed)
         super().__init__(**kwargs)
         if executor not in ("local", "slurm"):
             raise ValueError(f"executor must be `local` or `slurm`, got {executor!r}")
@@ -67,10 +68,6 @@ class StageJobTrigger(BaseTrigger):
         self.poll_interval_s = float(poll_interval_s)
         self.lease_owner = lease_owner
         self.stderr_path = stderr_path  # echoed in the event: dag.test() drops the deferral's own kwargs
-        # Airflow 3.3.2 fails a resumed task when the executor's event of its deferral is drained
-        # after the trigger fired (apache/airflow#67287, #72716): a job that ends within seconds of
-        # the deferral fires no earlier than `min_wait_s` after its submission.
-        self.min_wait_s = float(min_wait_s)
         self._renewed_at = time.monotonic()
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
@@ -78,7 +75,7 @@ class StageJobTrigger(BaseTrigger):
             "campaign_url": self.campaign_url, "block": self.block, "stage": self.stage,
             "executor": self.executor, "job_id": self.job_id, "submitted_at": self.submitted_at,
             "pid_created_at": self.pid_created_at, "poll_interval_s": self.poll_interval_s,
-            "lease_owner": self.lease_owner, "stderr_path": self.stderr_path, "min_wait_s": self.min_wait_s})
+            "lease_owner": self.lease_owner, "stderr_path": self.stderr_path})
 
     # --- the store (blocking: called through asyncio.to_thread) ------------------------------
     def _record(self) -> dict[str, Any]:
@@ -167,9 +164,6 @@ class StageJobTrigger(BaseTrigger):
         started = time.monotonic()
         self.log.info("waiting for %s job %s (block %d, %s)", self.executor, self.job_id, self.block, self.stage)
         event = await (self._wait_slurm() if self.executor == "slurm" else self._wait_local())
-        early = self.min_wait_s - (time.time() - self.submitted_at)
-        if early > 0:
-            await asyncio.sleep(early)
         from milepost.tasks.block_summary import human_duration
 
         self.log.info("%s job %s (block %d, %s): %s after waiting %s; the stage's own output: %s", self.executor,
