@@ -26,7 +26,8 @@ def rollout(ctx: StageContext) -> dict[str, Any]:
         ctx.update("rollout", stopped_leftover_actors=leftovers)
     latest = ctx.checkpoints.latest_valid()
     model_path = ctx.model_path()
-    serve_path = str(latest.path / "hf") if latest else model_path
+    lora = ctx.recipe.train.lora  # engines keep the base weights and load the checkpoint's adapter
+    serve_path = str(latest.path / "hf") if latest and lora is None else model_path
     version = str(latest.state["policy_version"]) if latest else "0"
     log_dir = Path(ctx.block_path("logs"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -35,8 +36,13 @@ def rollout(ctx: StageContext) -> dict[str, Any]:
     fleet = Fleet.start(serve_path, ctx.recipe.rollout.num_engines, ctx.recipe.rollout, version, host,
                         log_dir=str(log_dir), detached=True, on_change=ctx.write_fleet,
                         placement=placement_for(ctx.recipe, RANK_NUM_CPUS),
-                        admin_key_path=ctx.engine_admin_key_path())
+                        admin_key_path=ctx.engine_admin_key_path(), lora=lora)
     try:
+        if lora is not None and latest:
+            from milepost.core.engine.fleet import FleetTransport
+            from milepost.core.weight_sync.lora_push import LoraTransport
+            FleetTransport(fleet, LoraTransport(timeout_s=ctx.recipe.sync.timeout_s)).push(
+                fleet.clients, str(latest.path / "hf"), version)
         unhealthy = [url for url, ok in fleet.health_check().items() if not ok]
         if unhealthy:
             raise RuntimeError(f"engines failed their health check: {unhealthy}")

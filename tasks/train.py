@@ -23,6 +23,7 @@ from milepost.core.model.loading import load_tokenizer
 from milepost.core.reward import RewardEvaluator
 from milepost.core.train.factory import create_backend
 from milepost.core.weight_sync import build_transport
+from milepost.core.weight_sync.lora_push import LoraTransport
 from milepost.tasks.block_summary import step_line
 from milepost.tasks.context import StageContext
 
@@ -48,9 +49,10 @@ def run_train_stage(ctx: StageContext) -> dict[str, Any]:
         return {"steps": [last_step - recipe.campaign.steps_per_block + 1, last_step], "resumed": True}
     model_path = ctx.model_path()
     tokenizer = load_tokenizer(model_path)
-    start_path = str(latest.path / "hf") if latest else model_path
+    # With train.lora the checkpoint holds an adapter: the trainer starts from the base weights
+    start_path = str(latest.path / "hf") if latest and ctx.recipe.train.lora is None else model_path
     fleet = ctx.attach_fleet()  # connects to the block's Ray cluster first
-    served = ctx.checkpoints.step_of(fleet.base_model_path)
+    served = ctx.checkpoints.step_of(fleet.served[0])
     if served is not None:  # a restarted engine launches from it: retention must keep it
         ctx.checkpoints.protect(served)
     try:
@@ -100,7 +102,8 @@ def _train(ctx: StageContext, fleet: Any, tokenizer: Any, start_path: str) -> di
         def on_commit(step: int) -> None:
             sinks.publish([m for m in loop.state.metrics if m["step"] <= step])
 
-        transport = FleetTransport(fleet, build_transport(recipe.sync))
+        transport = FleetTransport(fleet, LoraTransport(timeout_s=recipe.sync.timeout_s) if recipe.train.lora
+                                   else build_transport(recipe.sync))
         colocated = recipe.cluster.placement == "colocated"
         loop = RLLoop(recipe, backend=backend, router=fleet.router_client,
                       engines=fleet.clients, source=source,
@@ -114,7 +117,7 @@ def _train(ctx: StageContext, fleet: Any, tokenizer: Any, start_path: str) -> di
                       state=state, on_metrics=on_metrics,
                       engines_asleep=transport.asleep if colocated else None, on_commit=on_commit,
                       filters=extensions.filters, hooks=extensions.hooks)
-        _serve_checkpoint(fleet, transport, start_path, state.policy_version, backend)
+        _serve_checkpoint(fleet, transport, _served_policy(ctx, backend, start_path), state.policy_version, backend)
         loop.run_until(last_step)
         bar.close()
         fleet.raise_if_failed()
@@ -126,6 +129,19 @@ def _train(ctx: StageContext, fleet: Any, tokenizer: Any, start_path: str) -> di
     finally:
         sinks.close()
         backend.shutdown()
+
+
+def _served_policy(ctx: StageContext, backend: Any, start_path: str) -> str:
+    """What the engines must serve before the first rollout: the weights the trainer starts
+    from, or with train.lora its adapter (the checkpoint's, or the fresh one exported)."""
+    if ctx.recipe.train.lora is None:
+        return start_path
+    latest = ctx.checkpoints.latest_valid()
+    if latest is not None:
+        return str(latest.path / "hf")
+    path = Path(ctx.store.local_path("exports", "steps")) / f"{0:08d}"
+    backend.export_hf(str(path))
+    return str(path)
 
 
 def _serve_checkpoint(fleet: Any, transport: Any, path: str, version: int, backend: Any) -> None:

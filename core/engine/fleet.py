@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import httpx
 import ray
 
-from milepost.core.config import RolloutConfig
+from milepost.core.config import LoraConfig, RolloutConfig
 from milepost.core.engine.actor import EngineActor, RouterActor
 from milepost.core.engine.client import EngineClient
 from milepost.core.engine.http_guard import read_key_file
@@ -40,6 +40,8 @@ from milepost.core.engine.router import Router
 from milepost.core.engine.launcher import EngineCommand, engine_command, engine_gpus
 from milepost.core.engine.supervisor import FleetError, FleetSupervisor, Slot, stop_actors
 from milepost.core.placement import Placement, actor_strategy, ensure_group, find_group
+from milepost.core.train.lora import is_adapter_folder
+from milepost.core.weight_sync.lora_push import ADAPTER_NAME, AdapterRequests, load_served
 
 if TYPE_CHECKING:  # the fleet does not depend on which transports exist
     from milepost.core.weight_sync.base import WeightTransport
@@ -101,18 +103,21 @@ class Fleet:
         self.placement_group: Any = None  # core/placement.py: engine i runs on engine_bundles[i]
         self.engine_bundles: list[int] | None = None
         self.colocated = False  # engines share the trainer's devices: SGLang gets --enable-memory-saver
+        self.lora: LoraConfig | None = None  # train.lora: engines take adapters; `served` may be one
 
     @classmethod
     def start(cls, model_path: str, num_engines: int, cfg: RolloutConfig, weight_version: str = "0",
               host: str | None = "127.0.0.1", *, load_delay_s: float = 0.0, log_dir: str | None = None,
               detached: bool = False, on_change: Callable[[dict[str, Any]], None] | None = None,
-              placement: Placement | None = None, admin_key_path: str | None = None) -> "Fleet":
+              placement: Placement | None = None, admin_key_path: str | None = None,
+              lora: LoraConfig | None = None) -> "Fleet":
         """Launch the engines, wait until each is healthy, start the router in front.
         `host` None: each engine and the router bind their node's IP (multi-node clusters).
         `load_delay_s` (tests only) makes every engine's cold start that much slower.
         `admin_key_path`: a file with the engines' admin key (module docstring)."""
         fleet = cls(model_path, weight_version, cfg, host, log_dir, detached, on_change, admin_key_path)
         fleet.supervisor.load_delay_s = load_delay_s
+        fleet.lora = lora  # engines launch from the base weights with LoRA on (lora_push.py)
         if placement is not None:
             fleet.colocated = placement.mode == "colocated"
             fleet.placement_group = ensure_group(placement)
@@ -140,7 +145,10 @@ class Fleet:
         supervisor of its own. The caller is connected to the fleet's Ray cluster and
         namespace. An engine whose actor is gone is replaced at the supervisor's first check."""
         path, version = doc["served"]
-        fleet = cls(path, str(version), cfg, doc.get("host"), doc["log_dir"], True, on_change, admin_key_path)
+        base = doc["base_model_path"] if doc.get("lora") else path  # an adapter is no model to launch from
+        fleet = cls(base, str(version), cfg, doc.get("host"), doc["log_dir"], True, on_change, admin_key_path)
+        fleet.served = (path, str(version))
+        fleet.lora = LoraConfig(**doc["lora"]) if doc.get("lora") else None
         if doc.get("engine_bundles") is not None:
             fleet.placement_group, fleet.engine_bundles = find_group(), list(doc["engine_bundles"])
         fleet.colocated = bool(doc.get("colocated", False))
@@ -184,7 +192,10 @@ class Fleet:
         self.router_url = self.router.url
         # Retry for as long as replacing a dead engine may take: a fleet whose every
         # engine died serves again only once a successor is routable.
-        self.router_client = RetryingClient(EngineClient(self.router_url, self.cfg.request_timeout_s),
+        router: Any = EngineClient(self.router_url, self.cfg.request_timeout_s)
+        if self.lora is not None:  # /generate names the adapter once one is served
+            router = AdapterRequests(router, lambda: ADAPTER_NAME if is_adapter_folder(self.served[0]) else None)
+        self.router_client = RetryingClient(router,
                                             window_s=self.cfg.engine_startup_timeout_s + 60,
                                             check=self.raise_if_failed)
 
@@ -223,7 +234,8 @@ class Fleet:
         engine actor resolves on its node and runs. It starts from the base weights; an
         engine admitted later loads `served` (FleetSupervisor._admit)."""
         return engine_command(self.cfg, self.base_model_path, self.base_weight_version, colocated=self.colocated,
-                              host=self.host, admin_key=self.admin_key_path is not None, load_delay_s=load_delay_s)
+                              host=self.host, admin_key=self.admin_key_path is not None, load_delay_s=load_delay_s,
+                              lora=self.lora)
 
     def engine_placement(self, index: int) -> dict[str, Any]:
         """Ray options putting engine `index` on its placement-group bundle (none without one),
@@ -244,7 +256,8 @@ class Fleet:
                       "log_path": self.router.log_path if self.router else None}
             return {"engines": engines, "router": router, "served": list(self.served),
                     "log_dir": self.log_dir, "host": self.host, "engine_bundles": self.engine_bundles,
-                    "colocated": self.colocated}
+                    "colocated": self.colocated, "base_model_path": self.base_model_path,
+                    "lora": self.lora.model_dump() if self.lora else None}
 
     def _changed(self) -> None:
         if self.on_change is not None:
@@ -356,6 +369,8 @@ class FleetTransport:
 
     def __init__(self, fleet: Fleet, inner: WeightTransport) -> None:
         self.fleet, self.inner, self.name = fleet, inner, inner.name
+        # LoRA keeps the base weights on the engines (its pushes send only the adapter)
+        self.release_tags = list(getattr(inner, "release_tags", ("weights", "kv_cache")))
 
     def push(self, clients: list[EngineClient], export_dir: str, version: str,
              backend: Any = None) -> dict[str, float]:
@@ -390,7 +405,7 @@ class FleetTransport:
         self.fleet.sleeping.set()
         with self.fleet.weight_push() as live:
             for c in live:
-                c.release_memory_occupation(["weights", "kv_cache"], timeout_s=timeout_s)
+                c.release_memory_occupation(self.release_tags, timeout_s=timeout_s)
         try:
             yield
         except BaseException:
@@ -403,9 +418,9 @@ class FleetTransport:
         also reloads the weights the fleet last served; otherwise the next push fills it."""
         with self.fleet.weight_push() as live:
             for c in live:
-                c.resume_memory_occupation(["weights", "kv_cache"], timeout_s=timeout_s)
+                c.resume_memory_occupation(self.release_tags, timeout_s=timeout_s)
                 if reload:
                     path, version = self.fleet.served
-                    c.update_weights_from_disk(path, weight_version=version, timeout_s=timeout_s)
+                    load_served(c, path, version, timeout_s)
         if reload:
             self.fleet.sleeping.clear()

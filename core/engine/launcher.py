@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from milepost.core.config import RolloutConfig
+from milepost.core.config import LoraConfig, RolloutConfig
 
 ENGINE_MODULES = {"builtin": "milepost.core.engine.server", "sglang": "sglang.launch_server"}
 # What the built-in engine cannot honour: a value other than the neutral one is refused, by
@@ -76,6 +76,8 @@ class EngineCommand:
     node_rank: int = 0
     config_path: str | Deferred | None = None  # owner-only YAML holding admin_api_key
     load_delay_s: float = 0.0  # built-in engine, tests only: a slow cold start
+    max_lora_rank: int | None = None  # set: --enable-lora, adapters up to this rank (train.lora)
+    lora_target_modules: tuple[str, ...] = ()
     extra_args: tuple[str, ...] = ()
     python: str = field(default_factory=lambda: sys.executable)
 
@@ -120,6 +122,9 @@ class EngineCommand:
                      "enable_deterministic_inference"):
             if getattr(self, flag):
                 a.append("--" + flag.replace("_", "-"))
+        if self.max_lora_rank is not None:  # SGLang needs rank and targets to load adapters at run time
+            a += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank),
+                  "--lora-target-modules", *self.lora_target_modules]
         if self.nnodes > 1:
             a += ["--dist-init-addr", str(self.dist_init_addr), "--nnodes", str(self.nnodes),
                   "--node-rank", str(self.node_rank)]
@@ -168,7 +173,7 @@ PLACEHOLDERS = {
 
 def engine_command(cfg: RolloutConfig, model_path: str, weight_version: str, *, colocated: bool,
                    host: str | None = None, admin_key: bool = False, load_delay_s: float = 0.0,
-                   python: str | None = None) -> EngineCommand:
+                   python: str | None = None, lora: LoraConfig | None = None) -> EngineCommand:
     """The launch template of one engine of `cfg` (rollout section). `host` None: the node's IP
     (`{node_ip}` until launch); ports are picked free on the node at launch; `admin_key`: the
     engine gets `--config` with the admin key (written by the actor on its node)."""
@@ -176,7 +181,8 @@ def engine_command(cfg: RolloutConfig, model_path: str, weight_version: str, *, 
     common = dict(engine=cfg.engine, model_path=model_path, host=host or NODE_IP, port=FREE_PORT,
                   weight_version=str(weight_version), max_running_requests=cfg.max_batch_size,
                   config_path=ADMIN_CONFIG if admin_key else None, load_delay_s=load_delay_s,
-                  python=python or PYTHON)
+                  python=python or PYTHON, max_lora_rank=lora.rank if lora else None,
+                  lora_target_modules=tuple(lora.target_modules) if lora else ())
     if cfg.engine == "builtin":
         cmd = EngineCommand(**common, tp_size=cfg.engine_tensor_parallel,
                             enable_deterministic_inference=cfg.deterministic_inference)

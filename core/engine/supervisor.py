@@ -31,6 +31,7 @@ from milepost.core.config import RolloutConfig
 from milepost.core.engine.actor import EngineActor
 from milepost.core.engine.admission import EngineRefused, probe_engine
 from milepost.core.engine.client import EngineClient
+from milepost.core.weight_sync.lora_push import load_served
 
 LOAD_FAILED_EXIT = 3  # the built-in engine's exit status when its model fails to load (server.py)
 
@@ -260,7 +261,7 @@ class FleetSupervisor:
             with self.fleet.lock:
                 path, version = self.fleet.served
                 if (path, version) != (slot.model_path, slot.weight_version):
-                    reply = slot.client.update_weights_from_disk(path, weight_version=version)
+                    reply = load_served(slot.client, path, version)  # full weights, or a LoRA adapter
                     if not reply.get("success", False):
                         return f"could not load the served weights {path}: {reply.get('message')}"
                     slot.model_path, slot.weight_version = path, version
