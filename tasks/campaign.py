@@ -144,14 +144,15 @@ STAGES = ("launch_ray", "rollout", "train", "sync", "evaluate")
 
 def _follow(store: CampaignStore, recipe: Recipe, child: subprocess.Popen, show_progress: bool) -> None:
     """What `milepost run` shows while the DAG runs: where each block's task log is, each stage
-    as it finishes, a progress bar of the train stage, each block's held-out accuracy."""
+    as it finishes, each block's held-out accuracy, and (on a terminal) a progress line of the
+    running stage with its rate and ETA (tasks/progress.py)."""
     from milepost.tasks.airflow_local import block_log
+    from milepost.tasks.progress import ProgressLine, current_line
     from milepost.tasks.progression import next_block
-    from tqdm import tqdm
 
     shown: set[tuple[int, str]] = set()
-    bar, current = None, None
-    spb = recipe.campaign.steps_per_block
+    current = None
+    line = ProgressLine() if show_progress else None
     while True:
         running = child.poll() is None
         for b in () if current is None else (current,):
@@ -159,10 +160,8 @@ def _follow(store: CampaignStore, recipe: Recipe, child: subprocess.Popen, show_
                 record = store.stage_record(b, stage) or {}
                 if record.get("state") == "done" and (b, stage) not in shown:
                     shown.add((b, stage))
-                    if bar is not None and stage == "train":
-                        bar.n = spb
-                        bar.close()
-                        bar = None
+                    if line:
+                        line.clear()
                     took = float(record.get("finished_at", 0.0)) - float(record.get("started_at", 0.0))
                     log.info("block %d: %s done (%.1fs)", b, stage, took)
                     if stage == "evaluate":
@@ -170,22 +169,17 @@ def _follow(store: CampaignStore, recipe: Recipe, child: subprocess.Popen, show_
         block = next_block(store, recipe) if running else None
         if block is not None and block != current:
             current = block
+            if line:
+                line.clear()
             log.info("block %d (last: %d) runs as one run of the campaign's Airflow DAG, in this process; "
                      "its task log: %s", block, recipe.campaign.num_blocks - 1, block_log(store, block))
-        if show_progress and current is not None and (current, "train") not in shown and \
-                (store.stage_record(current, "train") or {}).get("state") == "running":
-            rows = store.read_metrics(current)
-            if bar is None:
-                bar = tqdm(total=spb, desc=f"block {current}")
-            bar.n = max(0, rows[-1]["step"] - current * spb) if rows else 0
-            if rows:
-                bar.set_postfix(reward=f"{rows[-1].get('rollout/reward_mean', float('nan')):.3f}")
-            bar.refresh()
+        if line and current is not None:
+            line.show(current_line(store, current, recipe.campaign.steps_per_block))
         if not running:
             break
         time.sleep(1.0)
-    if bar is not None:
-        bar.close()
+    if line:
+        line.clear()
 
 
 def _report_eval(store: CampaignStore, recipe: Recipe, block: int, record: dict) -> None:
