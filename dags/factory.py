@@ -27,7 +27,7 @@ from airflow.sdk import DAG, Param, TriggerRule
 from milepost.dags.block_failed import BlockFailedOperator
 from milepost.dags.names import dag_id_for
 from milepost.dags.operators import StageOperator
-from milepost.dags.params import OVERRIDE_PATTERN, OVERRIDES_DESCRIPTION
+from milepost.dags.params import OVERRIDE_ITEM, OVERRIDES_DESCRIPTION
 from milepost.dags.progress import ProgressOperator
 
 BLOCK_STAGES = ("launch_ray", "rollout", "train", "sync", "evaluate")
@@ -136,7 +136,7 @@ def build_campaign_dag(recipe_path: str | Path, *, dag_id: str | None = None, ca
                            description="Index of the block this run executes (0-based)."),
             # "null" in the type: the form does not mark the field required (it may be empty).
             "overrides": Param([], type=["array", "null"], title="Recipe overrides", description=OVERRIDES_DESCRIPTION,
-                               items={"type": "string", "pattern": OVERRIDE_PATTERN}),
+                               items=OVERRIDE_ITEM),
             "resume": Param(False, type="boolean", title="Resume a paused campaign",
                             description="A campaign paused by its regression gate (or a stop request) runs "
                                         "its next block only with this set; after a regression that block "

@@ -30,6 +30,14 @@ OVERRIDES_DESCRIPTION = (
     "by launch_ray; start a new campaign URL instead.")
 
 
+# The schema of one override. Airflow refuses a bad one with jsonschema's own message, which
+# quotes the regex and then this schema: the description is there so that the message also
+# says, in words, what to write (Airflow gives a Param no custom error message).
+OVERRIDE_ITEM = {"type": "string", "pattern": OVERRIDE_PATTERN,
+                 "description": "HOW TO FIX: write `section.key=value`, e.g. `train.lr=1e-4`, where section is one "
+                                f"of {', '.join(RECIPE_SECTIONS)}"}
+
+
 def check_override(text: str) -> None:
     """Raise ValueError, saying what to write, when `text` does not match the schema's pattern
     (the same check the trigger form applies)."""
