@@ -134,6 +134,10 @@ def test_a_blocks_run_shows_its_summary_note_and_its_stages_own_logs(airflow) ->
     assert f"| reward (last step / block mean) | {rewards[-1]:.3f} / {sum(rewards) / len(rewards):.3f} |" in note
     assert "| regression gate | pass" in note and "| steps | 1–2 (2 steps) |" in note
     assert (campaign / "blocks/000000/summary.md").read_text().strip() == note.strip()
+    # The note names the block's self-contained page: the table, the plot inline, the steps.
+    assert f"| report | {campaign}/blocks/000000/report.html |" in note, note
+    page = (campaign / "blocks/000000/report.html").read_text()
+    assert f"<td>held-out accuracy</td><td class=n>{accuracy}" in page and "data:image/png;base64," in page
 
     # The evaluate task's log ends with the same table.
     evaluate_log = airflow.task_log(RUN_ID, "evaluate")
