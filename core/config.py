@@ -87,12 +87,30 @@ class TinyModelConfig(Section):
         return self
 
 
+class TinyMoeConfig(Section):
+    """The MLP of `builtin:tiny-arith-moe` (a Qwen3-MoE; attention and warm-start from `model.tiny`)."""
+
+    num_experts: int = Field(4, ge=2, description="Routed experts per layer.")
+    num_experts_per_tok: int = Field(2, ge=1, description="top-k: experts each token is routed to.")
+    moe_intermediate_size: int = Field(128, ge=8, description="Hidden width of one expert.")
+    router_aux_loss_coef: float = Field(0.01, ge=0.0, description="Load-balancing loss in the warm-start.")
+
+    @model_validator(mode="after")
+    def _k_fits(self) -> "TinyMoeConfig":
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"model.tiny_moe.num_experts_per_tok={self.num_experts_per_tok} is more than "
+                             f"num_experts={self.num_experts}; pick a top-k of at most num_experts")
+        return self
+
+
 class ModelConfig(Section):
     path: str = Field(
         "builtin:tiny-arith",
-        description="An HF checkpoint folder/URL, or `builtin:tiny-arith` for the project's own model.",
+        description="An HF checkpoint folder/URL, or `builtin:tiny-arith` / `builtin:tiny-arith-moe` for the "
+                    "project's own models.",
     )
     tiny: TinyModelConfig = TinyModelConfig()
+    tiny_moe: TinyMoeConfig = TinyMoeConfig()
     catalog: str | None = Field(
         None, description="A shipped HF config (`milepost plan --models` lists them, e.g. `Qwen3-8B`) that "
                           "`milepost plan` uses when `path` has no config.json readable on this machine.")
@@ -254,6 +272,9 @@ class AlgoConfig(Section):
     kl_type: Literal["k1", "k2", "k3"] = "k3"
     entropy_coef: float = Field(0.0, ge=0.0)
     tis_cap: float | None = Field(2.0, gt=0.0, description="Truncated importance sampling cap; null disables.")
+    routing_replay: bool = Field(
+        False, description="MoE only: the trainer routes each token to the experts the engine chose when it "
+                           "sampled (gate weights recomputed from current logits); false: its own top-k.")
 
 
 class HooksConfig(Section):

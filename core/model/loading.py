@@ -18,7 +18,7 @@ from milepost.core.config import ModelConfig
 from milepost.core.data.arith import cache_root
 from milepost.core.errors import UserError
 
-BUILTIN_MODELS = ("builtin:tiny-arith",)
+BUILTIN_MODELS = ("builtin:tiny-arith", "builtin:tiny-arith-moe")
 # What makes a folder an HF checkpoint the engines and trainers can load: weights (one file,
 # or shards with their index) and a tokenizer beside config.json.
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -84,7 +84,7 @@ def validation_tokenizer(model_cfg: ModelConfig) -> tuple[Any, int | None] | Non
     cheaply, for checking prompts at validation; None when that needs a remote copy. The
     builtin model's tokenizer and config are made without building (training) the model."""
     path = model_cfg.path
-    if path == "builtin:tiny-arith":
+    if path in BUILTIN_MODELS:  # both builtin models share tiny-arith's tokenizer and context
         from milepost.core.model import tiny
         tokenizer = tiny.build_tokenizer()
         return tokenizer, tiny._model_config(model_cfg.tiny, tokenizer).max_position_embeddings
@@ -107,6 +107,9 @@ def resolve_model_path(model_cfg: ModelConfig, seed: int) -> str:
     if path == "builtin:tiny-arith":
         from milepost.core.model import tiny
         return tiny.build(model_cfg.tiny, seed)
+    if path == "builtin:tiny-arith-moe":
+        from milepost.core.model import tiny_moe
+        return tiny_moe.build_tiny_moe_model(model_cfg.tiny, model_cfg.tiny_moe, seed)
     if path.startswith("builtin:"):
         raise ModelPathError(f"model.path `{path}`: unknown builtin model; available: {', '.join(BUILTIN_MODELS)}")
     protocol, _ = fsspec.core.split_protocol(path)

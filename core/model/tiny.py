@@ -16,7 +16,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -87,8 +87,10 @@ def _warmstart_batch(rows: list[dict[str, str]], targets: list[str], tokenizer: 
     return x, m
 
 
-def warmstart(model: Any, tokenizer: Any, cfg: TinyModelConfig, seed: int) -> float:
-    """Short supervised training on the answers only, so RL starts sometimes right."""
+def warmstart(model: Any, tokenizer: Any, cfg: TinyModelConfig, seed: int, aux_loss_coef: float = 0.0) -> float:
+    """Short supervised training on the answers only, so RL starts sometimes right.
+    `aux_loss_coef` (MoE models): weight of the router's load-balancing loss, so every expert
+    keeps being used and routing stays a real choice."""
     bs = cfg.warmstart_batch_size
     rows = make_rows(cfg.warmstart_steps * bs, seed=seed + 1000, split="train")
     targets = warmstart_targets(rows, cfg.warmstart_unsimplified_fraction, seed)
@@ -99,10 +101,13 @@ def warmstart(model: Any, tokenizer: Any, cfg: TinyModelConfig, seed: int) -> fl
     model.train()
     for step in range(cfg.warmstart_steps):
         x, m = _warmstart_batch(rows[step * bs:(step + 1) * bs], targets[step * bs:(step + 1) * bs], tokenizer)
-        logits = model(input_ids=x).logits[:, :-1]
+        out = model(input_ids=x, output_router_logits=True) if aux_loss_coef else model(input_ids=x)
+        logits = out.logits[:, :-1]
         nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                                 x[:, 1:].reshape(-1), reduction="none")
         loss = (nll * m[:, 1:].reshape(-1)).sum() / m[:, 1:].sum()
+        if aux_loss_coef:
+            loss = loss + aux_loss_coef * out.aux_loss
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -136,15 +141,21 @@ def cached_model_dir(cfg: TinyModelConfig, seed: int) -> Path:
     return cache_root() / "models" / f"tiny-arith-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
-def _train_and_save(cfg: TinyModelConfig, seed: int, out: Path) -> dict[str, float]:
+def _dense_model(cfg: TinyModelConfig, tokenizer: Any) -> Any:
     from transformers import Qwen2ForCausalLM
+    return Qwen2ForCausalLM(_model_config(cfg, tokenizer))
 
+
+def _train_and_save(cfg: TinyModelConfig, seed: int, out: Path,
+                    make_model: Callable[[TinyModelConfig, Any], Any] = _dense_model,
+                    aux_loss_coef: float = 0.0) -> dict[str, float]:
+    """Build with `make_model(cfg, tokenizer)`, warm-start, measure and save into `out`."""
     start = time.perf_counter()
     torch.set_num_threads(2)  # the embedded default targets a 2-core machine
     torch.manual_seed(seed)
     tokenizer = build_tokenizer()
-    model = Qwen2ForCausalLM(_model_config(cfg, tokenizer)).float()
-    loss = warmstart(model, tokenizer, cfg, seed)
+    model = make_model(cfg, tokenizer).float()
+    loss = warmstart(model, tokenizer, cfg, seed, aux_loss_coef) if aux_loss_coef else warmstart(model, tokenizer, cfg, seed)
     accuracy = greedy_accuracy(model, tokenizer, make_rows(NUM_EVAL_ROWS, seed=seed, split="eval"))
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
@@ -156,14 +167,18 @@ def _train_and_save(cfg: TinyModelConfig, seed: int, out: Path) -> dict[str, flo
 
 def build_tiny_model(cfg: TinyModelConfig, seed: int) -> str:
     """The cached model folder for (cfg, seed), built on first use."""
-    final = cached_model_dir(cfg, seed)
+    return build_cached(cached_model_dir(cfg, seed), lambda tmp: _train_and_save(cfg, seed, tmp))
+
+
+def build_cached(final: Path, train_and_save: Callable[[Path], dict[str, float]]) -> str:
+    """`final`, built by `train_and_save(tmp)` into a temporary folder then renamed, unless it exists."""
     if (final / "config.json").exists():
         return str(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        report = _train_and_save(cfg, seed, tmp)
+        report = train_and_save(tmp)
         if final.exists():  # another process finished first: its model is identical
             shutil.rmtree(tmp)
         else:
