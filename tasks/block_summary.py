@@ -135,7 +135,9 @@ def summary_rows(s: BlockSummary) -> list[tuple[str, str]]:
 
 def format_summary(s: BlockSummary) -> str:
     """A Markdown table (the Airflow UI renders a note as Markdown; a log shows it as text)."""
-    head = f"**milepost block {s.block}**: accuracy {_num(s.accuracy)}, gate {s.gate or 'not judged yet'}"
+    # The UI shows only this first line until the note is opened: the three numbers a user looks for.
+    head = (f"**milepost block {s.block}**: accuracy {_num(s.accuracy)}, gate {s.gate or 'not judged yet'}, "
+            f"reward {_num(s.reward_mean)}")
     rows = summary_rows(s)
     table = "\n".join(["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
     text = f"{head}\n\n{table}"
