@@ -26,3 +26,11 @@ def _no_ray_settings_leak_out_of_a_test():
             else:
                 os.environ[name] = value
         pytest.fail(f"this test (or the code it ran) left process-wide Ray settings changed: {leaked}")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_cache(tmp_path_factory):
+    """One MILEPOST_CACHE for the whole session. Tests that run tiny-arith with the recipe's own
+    model settings (warm start 600 steps, ≈3 min on 2 cores) find the model built by the first
+    of them instead of building it again per module."""
+    return tmp_path_factory.mktemp("model-cache")

@@ -49,9 +49,10 @@ def fault_root(request, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def fault_cache(fault_root, fault_shape) -> Path:
-    """One model cache for every run of the session: the tiny model is built once."""
-    cache = Path(os.environ.get("MILEPOST_FAULTS_CACHE") or fault_root / "cache")
+def fault_cache(fault_root, fault_shape, tiny_model_cache) -> Path:
+    """One model cache for every run of the session: the tiny model is built once (the suite's
+    shared cache unless MILEPOST_FAULTS_CACHE names one)."""
+    cache = Path(os.environ.get("MILEPOST_FAULTS_CACHE") or tiny_model_cache)
     cp.build_model(cache, fault_shape.overrides())
     return cache
 

@@ -3,12 +3,15 @@
 Sync mode, with every weight transport: the reference campaign runs uninterrupted; the
 other is killed (SIGKILL, no clean-up) at seeded-random moments in block 0 and block 1,
 rerun each time, and must end with the same `model_sha256`, the same per-step metrics
-(timings aside) and exactly the same prompts. The engines run batch-invariant
+(timings aside) and exactly the same prompts. `tensor` and `distributed` train the same
+bits, so they share one reference; `disk` has its own (see below). CI runs `disk` (the
+embedded default); `tensor` and `distributed` are in the extended suite (`-m extended`). The engines run batch-invariant
 (`rollout.deterministic_inference`): otherwise their logprobs, which the trainer uses, move
 in the low bits with how requests happened to be batched, and no two runs are bitwise equal.
 The model is warm-started as the recipe does, so rewards are non-zero and RL moves the
-weights (checked: an equality of unchanged weights would prove nothing). Async mode (max_staleness 1): killed at three moments, it must train every prompt
-of the epoch exactly once, with every step within the staleness bound.
+weights (checked: an equality of unchanged weights would prove nothing). Async mode
+(max_staleness 1): killed at two moments, it must train every prompt of the epoch exactly
+once, with every step within the staleness bound.
 """
 
 from __future__ import annotations
@@ -36,9 +39,10 @@ BITWISE = ("rollout.deterministic_inference=true",)
 
 
 @pytest.fixture(scope="module")
-def model_cache(tmp_path_factory) -> Path:
-    """One cache (the warm-started tiny model) for every campaign of this module."""
-    return tmp_path_factory.mktemp("cache")
+def model_cache(tiny_model_cache) -> Path:
+    """The session's cache: the recipe's warm-started tiny model, built once."""
+    cp.build_model(tiny_model_cache, list(OVERRIDES))
+    return tiny_model_cache
 
 
 def _run_to_end(campaign: Path, cache: Path, log: Path, extra: tuple[str, ...] = ()) -> None:
@@ -66,23 +70,45 @@ def _final_state(campaign: Path) -> tuple[str, list[dict]]:
     return cp.final_state(campaign, NUM_BLOCKS)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("transport", ["disk", "tensor", "distributed"])
-def test_sigkilled_sync_campaign_resumes_bitwise_and_trains_each_prompt_once(transport, tmp_path, model_cache):
-    cache, extra = model_cache, (*BITWISE, f"sync.transport={transport}")
-    reference, killed = tmp_path / "reference", tmp_path / "killed"
-    log = tmp_path / "runs.log"
-    _run_to_end(reference, cache, log, extra)
-    ref_sha, ref_rows = _final_state(reference)
-    assert any(r["rollout/reward_mean"] > 0 for r in ref_rows), "no reward at all: RL would not move the weights"
-    assert len(set(cp.checkpoint_model_shas(reference).values())) > 1, "the weights never changed"
+# disk's first step already has engine logprobs that differ from tensor's and distributed's
+# in the last bits (those two agree; not traced yet), so disk has a reference of its own.
+REFERENCE_OF = {"disk": "disk", "tensor": "tensor", "distributed": "tensor"}
+
+
+@pytest.fixture(scope="module")
+def sync_references(tmp_path_factory, model_cache):
+    """reference(transport) -> (sha, rows) of the uninterrupted campaign, run once per module."""
+    done: dict[str, tuple[str, list[dict]]] = {}
+
+    def reference(transport: str) -> tuple[str, list[dict]]:
+        family = REFERENCE_OF[transport]
+        if family not in done:
+            campaign = tmp_path_factory.mktemp(f"reference-{family}")
+            extra = (*BITWISE, f"sync.transport={family}")
+            _run_to_end(campaign / "campaign", model_cache, campaign / "runs.log", extra)
+            done[family] = _final_state(campaign / "campaign")
+            _check_it_learned(campaign / "campaign", family, done[family][1])
+        return done[family]
+    return reference
+
+
+def _check_it_learned(campaign: Path, transport: str, rows: list[dict]) -> None:
+    assert any(r["rollout/reward_mean"] > 0 for r in rows), "no reward at all: RL would not move the weights"
+    assert len(set(cp.checkpoint_model_shas(campaign).values())) > 1, "the weights never changed"
     # The learning bar with every transport: from a base policy at 0 (greedy, held-out), two
-    # blocks of RL reach the accuracy the disk transport reached when measured (0.281 on 32
-    # prompts, the same with tensor and distributed). Not bitwise the same weights across
-    # transports: tensor and distributed agree, but disk's first step already has engine
-    # logprobs that differ from theirs in the last bits (not traced yet).
-    accuracy = json.loads((reference / "blocks/000001/evaluate.json").read_text())["eval"]["accuracy"]
+    # blocks of RL reach the accuracy measured (0.281 on 32 prompts with each transport).
+    accuracy = json.loads((campaign / "blocks/000001/evaluate.json").read_text())["eval"]["accuracy"]
     assert accuracy >= 0.25, f"sync.transport={transport}: held-out accuracy {accuracy} after 2 blocks (base 0)"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["disk", pytest.param("tensor", marks=pytest.mark.extended),
+                                       pytest.param("distributed", marks=pytest.mark.extended)])
+def test_sigkilled_sync_campaign_resumes_bitwise_and_trains_each_prompt_once(transport, tmp_path, model_cache,
+                                                                            sync_references):
+    cache, extra = model_cache, (*BITWISE, f"sync.transport={transport}")
+    killed, log = tmp_path / "killed", tmp_path / "runs.log"
+    ref_sha, ref_rows = sync_references(transport)
 
     rng = random.Random(20261203)
     kills = []
@@ -107,7 +133,7 @@ def test_sigkilled_async_campaign_trains_every_prompt_once_within_the_staleness_
     extra = ("loop.max_staleness=1", "cluster.placement=disaggregated")
     rng = random.Random(20261204)
     kills = []
-    for lowest, highest in ((1, 3), (4, STEPS_PER_BLOCK - 1), (STEPS_PER_BLOCK + 1, 2 * STEPS_PER_BLOCK - 2)):
+    for lowest, highest in ((1, STEPS_PER_BLOCK - 1), (STEPS_PER_BLOCK + 1, 2 * STEPS_PER_BLOCK - 2)):
         after_step, delay_s = rng.randint(lowest, highest), rng.uniform(0.0, 1.0)
         kills.append((after_step, delay_s, _run_and_kill(campaign, cache, log, after_step, delay_s, extra)))
     _run_to_end(campaign, cache, log, extra)
