@@ -103,6 +103,9 @@ class MegatronBackend(Rank0WeightSource):
         Path(path, "meta.json").write_text(json.dumps(meta))
 
     def load_state(self, path: str) -> None:
+        if self.train_cfg.lora is not None and Path(path, "adapter.pt").is_file():  # megatron/lora.py
+            ray.get([a.load.remote(path) for a in self.actors])
+            return
         if not Path(path, "dist").is_dir():
             raise FileNotFoundError(f"{path} holds no megatron train state (no dist/ folder); was it written by the "
                                     "megatron backend's save_state? (torch backend checkpoints cannot be resumed "
@@ -111,6 +114,9 @@ class MegatronBackend(Rank0WeightSource):
 
     def export_hf(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
+        if self.train_cfg.lora is not None:  # a PEFT adapter folder, as the torch backend writes
+            ray.get([a.export_adapter.remote(path) for a in self.actors])
+            return
         written: dict[str, tuple[str, int]] = {}
         for part in ray.get([a.export_shards.remote(path, MAX_SHARD_BYTES) for a in self.actors]):
             written.update(part)

@@ -132,6 +132,7 @@ class MegatronRankWorker(SenderRank):
         self.dtype = torch.bfloat16 if self.cfg.precision == "bf16" else torch.float32
         self.tconfig = transformer_config(self.spec, m, self.dtype, on_cpu=not on_gpu)
         chunks = self._build_chunks()
+        self.adapters = self._attach_lora(chunks)
         self._build_ddp_and_optimizer(chunks)
         self.ref = None
         if self.algo.kl_coef > 0:
@@ -142,6 +143,26 @@ class MegatronRankWorker(SenderRank):
                 c.requires_grad_(False).eval()
         return {"tp_rank": self.tp_rank, "pp_rank": self.pp_rank, "dp_rank": self.dp_rank,
                 "reporter": int(self._reports())}
+
+    def _attach_lora(self, chunks: list[Any]) -> list[Any] | None:
+        """train.lora: freeze the chunks and hook an adapter onto each layer (megatron/lora.py)."""
+        if self.cfg.lora is None:
+            return None
+        from milepost.core.train.megatron import lora
+        lora.check_supported(self.cfg.lora, self.cfg.megatron.pipeline_parallel)
+        return lora.attach(chunks, self.cfg.lora, self.spec, self.tp_rank, self.tp_size, self.seed, self.dtype,
+                           self.device)
+
+    def _adapter_state(self) -> dict[str, torch.Tensor]:
+        from milepost.core.train.megatron import lora
+        return {n: t.cpu() for n, t in lora.adapter_state(self.adapters, self.cfg.lora).items()}
+
+    @compat
+    def export_adapter(self, folder: str) -> None:
+        """train.lora: the PEFT adapter folder (every rank holds the whole adapter; rank 0 writes)."""
+        from milepost.core.train import lora
+        if self.rank == 0:
+            lora.save_adapter(folder, self._adapter_state(), self.cfg.lora, self.model_path)
 
     def _build_chunks(self) -> list[Any]:
         vp = self.cfg.megatron.virtual_pipeline
@@ -300,7 +321,10 @@ class MegatronRankWorker(SenderRank):
 
     @compat
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """This stage's HF tensors on the CPU (every TP rank returns them; small models)."""
+        """This stage's HF tensors on the CPU (every TP rank returns them; small models); with
+        train.lora the adapter's, PEFT-named (the torch backend's names and digest)."""
+        if self.adapters is not None:
+            return {n: t.clone() for n, t in self._adapter_state().items()}
         return {n: t.detach().cpu().clone() for n, t in self.hf_tensors()}
 
     # ---- checkpoints ----
@@ -320,11 +344,16 @@ class MegatronRankWorker(SenderRank):
         if agree_to_skip(bad is not None, self.device):
             raise NonFiniteWeightsError(nonfinite_weights_message(bad or "a tensor of another rank",
                                                                   f"megatron backend rank {self.rank}"))
-        folder = Path(path) / "dist"
-        if self.rank == 0:
-            folder.mkdir(parents=True, exist_ok=True)
-        dist.barrier()
-        dist_checkpointing.save(self._sharded_state_dict(), str(folder))
+        if self.adapters is not None:  # the adapter (replicated) and each rank's optimizer; the base never changes
+            if self.rank == 0:
+                torch.save(self._adapter_state(), Path(path) / "adapter.pt")
+            torch.save(self.optimizer.state_dict(), Path(path) / f"optim_rank{self.rank}.pt")
+        else:
+            folder = Path(path) / "dist"
+            if self.rank == 0:
+                folder.mkdir(parents=True, exist_ok=True)
+            dist.barrier()
+            dist_checkpointing.save(self._sharded_state_dict(), str(folder))
         rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
         torch.save(rng, Path(path) / f"rng_rank{self.rank}.pt")
         if self.rank == 0:
@@ -334,13 +363,10 @@ class MegatronRankWorker(SenderRank):
     @compat
     def load(self, path: str) -> None:
         from megatron.core import dist_checkpointing
-        state = dist_checkpointing.load(self._sharded_state_dict(is_loading=True), str(Path(path) / "dist"))
-        if len(self.model) == 1:
-            self.model[0].module.load_state_dict(state["model"])
+        if self.adapters is not None:
+            self._load_lora(path)
         else:
-            for i, c in enumerate(self.model):
-                c.module.load_state_dict(state[f"model{i}"])
-        self.optimizer.load_state_dict(state["optimizer"])
+            self._load_dist(dist_checkpointing.load(self._sharded_state_dict(is_loading=True), str(Path(path) / "dist")))
         if self.device.type == "cuda":  # the loaded param groups carry the writer's kernel choice
             use_fused_adam(self.optimizer)
         self.sched_step = json.loads(Path(path, "scheduler.json").read_text())["sched_step"]
@@ -350,6 +376,21 @@ class MegatronRankWorker(SenderRank):
             random.setstate(s["python"])
             np.random.set_state(s["numpy"])
             torch.set_rng_state(s["torch"])
+
+    def _load_lora(self, path: str) -> None:
+        from milepost.core.train.megatron import lora
+        lora.load_adapter_state(self.adapters, self.cfg.lora, torch.load(Path(path) / "adapter.pt", weights_only=True))
+        optim = Path(path) / f"optim_rank{self.rank}.pt"
+        optim = optim if optim.exists() else Path(path) / "optim_rank0.pt"  # replicated adapter: equal states
+        self.optimizer.load_state_dict(torch.load(optim, weights_only=False))
+
+    def _load_dist(self, state: dict[str, Any]) -> None:
+        if len(self.model) == 1:
+            self.model[0].module.load_state_dict(state["model"])
+        else:
+            for i, c in enumerate(self.model):
+                c.module.load_state_dict(state[f"model{i}"])
+        self.optimizer.load_state_dict(state["optimizer"])
 
     @compat
     def shutdown(self) -> None:
