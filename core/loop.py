@@ -94,12 +94,15 @@ class RLLoop:
                  on_metrics: Callable[[dict[str, Any]], None],
                  engines_asleep: Callable[[], ContextManager[None]] | None = None,
                  on_commit: Callable[[int], None] | None = None,
-                 filters: FilterChain | None = None, hooks: Hooks | None = None) -> None:
+                 filters: FilterChain | None = None, hooks: Hooks | None = None,
+                 routed_experts: bool = False) -> None:
         """`engines_asleep` (colocated placement): a context in which the engines have given
         their memory back; each train step runs inside it and the weight push after it wakes
         them (FleetTransport.asleep). `on_commit(step)`: after the checkpoint of `step` is
         committed (the metrics sinks take committed steps only). `filters` and `hooks`: the
-        recipe's, resolved (core/extensions.py); None resolves them from the recipe."""
+        recipe's, resolved (core/extensions.py); None resolves them from the recipe.
+        `routed_experts` (MoE models): rollouts ask for the engines' routes, so `router` must
+        reach the engines directly (core/engine/direct.py)."""
         self.recipe, self.backend, self.router, self.engines = recipe, backend, router, engines
         self.engines_asleep = engines_asleep or nullcontext
         self.source, self.rollout_fn, self.rewards = source, rollout_fn, rewards
@@ -109,6 +112,7 @@ class RLLoop:
         self.filters = filters or FilterChain.from_config(recipe.filters)
         self.hooks = hooks or Hooks.from_config(recipe.hooks)
         self.last_step = state.step
+        self.routed_experts = routed_experts
         self.ahead = RolloutAhead(
             source, self.generate_chunk, prompts_per_step=recipe.rollout.prompts_per_step,
             max_staleness=recipe.loop.max_staleness, policy_version=state.policy_version,
@@ -145,7 +149,7 @@ class RLLoop:
             sampling_params=sampling_params_from(r.rollout, self.stop_token_ids),
             sampling_seed=(r.seed * 1_000_003 + step * 7919) % (2**31),
             num_engines=r.rollout.num_engines, decode=self.decode,
-            continue_cut_responses=r.rollout.partial_rollout)
+            continue_cut_responses=r.rollout.partial_rollout, return_routed_experts=self.routed_experts)
         samples = self.rollout_fn(request, self.router)
         self.rewards.score(samples, step=step)
         return samples

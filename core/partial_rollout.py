@@ -21,9 +21,11 @@ of the responses it continues, so the same cuts at the same places continue the 
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from milepost.core.algo.routing_replay import merge_routes
 from milepost.core.types import Prompt
 
 # A chunk sees at most max_staleness + 1 pushes while it generates; this bound only stops a
@@ -45,6 +47,8 @@ class PartialResponse:
     finish_reason: str = "abort"
     weight_version: str = ""
     num_continuations: int = 0
+    want_routes: bool = False  # MoE: every answer must carry routed_experts
+    routes: bytes = b""  # raw int32 routes of the positions so far (routing_replay.merge_routes)
 
     def absorb(self, output: dict[str, Any]) -> None:
         """Append one /generate answer (a first try or a continuation)."""
@@ -54,12 +58,26 @@ class PartialResponse:
         if len(logprobs) != len(ids):
             raise RuntimeError(f"engine returned {len(logprobs)} logprobs for {len(ids)} output tokens")
         version = str(meta.get("weight_version"))
+        if self.want_routes:
+            self._absorb_routes(meta, len(self.prompt.prompt_ids) + len(self.output_ids) + len(ids) - 1)
         if ids and (not self.spans or self.spans[-1][1] != version):
             self.spans.append([len(self.output_ids), version])
         self.output_ids += ids
         self.logprobs += logprobs
         self.finish_reason = finish_type(meta)
         self.weight_version = version
+
+    def _absorb_routes(self, meta: dict[str, Any], num_positions: int) -> None:
+        """Keep the routes of positions already held (their policy's), add the new ones."""
+        if "routed_experts" not in meta:
+            raise RuntimeError("the engine's answer has no meta_info.routed_experts: MoE rollouts must ask "
+                               "engines directly (sglang-router drops return_routed_experts) and engines need "
+                               "--enable-return-routed-experts (milepost adds it for MoE models)")
+        self.routes = merge_routes(self.routes, meta["routed_experts"] or "", num_positions)
+
+    def routes_text(self) -> str | None:
+        """The routes in SGLang's encoding, None when none were asked for."""
+        return base64.b64encode(self.routes).decode() if self.want_routes else None
 
     @property
     def tokens_left(self) -> int:

@@ -40,6 +40,8 @@ class RolloutRequest:
     num_engines: int
     decode: Callable[[list[int]], str]
     continue_cut_responses: bool = True  # see partial_rollout; False: cut responses come back as `abort`
+    # MoE: ask for SGLang's routed_experts (the client must reach engines directly: the router drops it)
+    return_routed_experts: bool = False
 
 
 class RolloutFn(Protocol):
@@ -70,6 +72,7 @@ def default_rollout(request: RolloutRequest, router: EngineClient) -> list[Sampl
     n = request.num_samples_per_prompt
     chunks = _chunks(request.prompts, max(1, request.num_engines))
     offsets = [sum(len(c) for c in chunks[:i]) for i in range(len(chunks))]
+    routing = {"return_routed_experts": True} if request.return_routed_experts else {}
 
     def generate(chunk_index: int) -> list[PartialResponse]:
         chunk = chunks[chunk_index]
@@ -78,7 +81,8 @@ def default_rollout(request: RolloutRequest, router: EngineClient) -> list[Sampl
             per_seed = list(samples.map(lambda j: sample(chunk, seed + j), range(n)))
         outputs = [per_seed[j][i] for i in range(len(chunk)) for j in range(n)]  # prompt-major
         responses = [PartialResponse(chunk[j // n], offsets[chunk_index] + j // n, seed + j,
-                                     request.sampling_params["max_new_tokens"]) for j in range(len(outputs))]
+                                     request.sampling_params["max_new_tokens"], want_routes=bool(routing))
+                     for j in range(len(outputs))]
         for response, output in zip(responses, outputs):
             response.absorb(output)
         if request.continue_cut_responses:
@@ -89,14 +93,14 @@ def default_rollout(request: RolloutRequest, router: EngineClient) -> list[Sampl
         """One sample of every prompt of `chunk`, all seeded `seed` (seed rule above)."""
         reply = router.generate(input_ids=[p.prompt_ids for p in chunk],
                                 sampling_params=dict(request.sampling_params, n=1, sampling_seed=seed),
-                                return_logprob=True)
+                                return_logprob=True, **routing)
         outputs = reply if isinstance(reply, list) else [reply]
         if len(outputs) != len(chunk):
             raise RuntimeError(f"engine returned {len(outputs)} outputs for {len(chunk)} inputs")
         return outputs
 
     def continuation(input_ids: list[list[int]], params: dict[str, Any]) -> list[dict[str, Any]]:
-        reply = router.generate(input_ids=input_ids, sampling_params=params, return_logprob=True)
+        reply = router.generate(input_ids=input_ids, sampling_params=params, return_logprob=True, **routing)
         return reply if isinstance(reply, list) else [reply]
 
     with ThreadPoolExecutor(max_workers=len(chunks)) as pool:
@@ -104,7 +108,8 @@ def default_rollout(request: RolloutRequest, router: EngineClient) -> list[Sampl
     return [Sample(prompt_index=r.prompt.index, group_index=r.group_index, prompt_ids=list(r.prompt.prompt_ids),
                    response_ids=r.output_ids, engine_logprobs=r.logprobs, loss_mask=[1] * len(r.output_ids),
                    finish_reason=r.finish_reason, weight_version=r.weight_version, label=r.prompt.label,
-                   response_text=request.decode(r.output_ids), weight_version_spans=r.spans)
+                   response_text=request.decode(r.output_ids), weight_version_spans=r.spans,
+                   routed_experts=r.routes_text())
             for r in responses]
 
 

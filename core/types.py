@@ -40,6 +40,9 @@ class Sample:
     # [first response-token index, version] per run of tokens from one policy version (a
     # response continued across a weight push has several; see core/partial_rollout.py)
     weight_version_spans: list[list[Any]] = field(default_factory=list)
+    # MoE: the engine's routed experts, SGLang's `routed_experts` encoding (base64 of int32
+    # [prompt + response - 1, layers, top_k]; core/algo/routing_replay.py); None for dense models
+    routed_experts: str | None = None
 
     def oldest_version(self) -> int | None:
         """The oldest numeric policy version that produced any of its tokens."""

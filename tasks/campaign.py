@@ -21,6 +21,7 @@ from milepost.core.data.source import PromptLimit, load_rows
 from milepost.core.errors import UserError
 from milepost.core.extensions import resolve_extensions
 from milepost.core.model.loading import check_model_path, validation_tokenizer
+from milepost.core.model.moe import check_routing_replay
 from milepost.core.recipe_io import RecipeError, dump_recipe, recipe_diff, same_recipe
 from milepost.core.store import CampaignStore
 
@@ -82,6 +83,7 @@ def validate_resources(recipe: Recipe) -> None:
     datasets (every row, prompt lengths), every plugin (rollout, reward, advantage, loss,
     filters, hooks: loaded and checked against its signature)."""
     check_model_path(recipe.model)
+    check_routing_replay(recipe)
     _check_catalog(recipe)
     limit = functools.cache(lambda: _prompt_limit(recipe))  # loaded once, after the rows passed
     _check_dataset(recipe.data.train_path, "data.train_path", recipe, limit)

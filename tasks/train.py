@@ -14,12 +14,14 @@ from typing import Any
 from tqdm import tqdm
 
 from milepost.core.data.source import DataCursor, PromptSource, load_rows
+from milepost.core.engine.direct import direct_client
 from milepost.core.engine.fleet import FleetTransport
 from milepost.core.extensions import resolve_extensions, trainer_algo
 from milepost.core.hooks import BlockInfo
 from milepost.core.loop import LoopState, RLLoop
 from milepost.core.metrics.publish import eval_rows, open_sinks, record_train_start
 from milepost.core.model.loading import load_tokenizer
+from milepost.core.model.moe import is_moe_model
 from milepost.core.reward import RewardEvaluator
 from milepost.core.train.factory import create_backend
 from milepost.core.weight_sync import build_transport
@@ -105,7 +107,8 @@ def _train(ctx: StageContext, fleet: Any, tokenizer: Any, start_path: str) -> di
         transport = FleetTransport(fleet, LoraTransport(timeout_s=recipe.sync.timeout_s) if recipe.train.lora
                                    else build_transport(recipe.sync))
         colocated = recipe.cluster.placement == "colocated"
-        loop = RLLoop(recipe, backend=backend, router=fleet.router_client,
+        moe = bool(is_moe_model(start_path))  # MoE: routes come back only from the engines themselves
+        loop = RLLoop(recipe, backend=backend, router=direct_client(fleet) if moe else fleet.router_client,
                       engines=fleet.clients, source=source,
                       rollout_fn=extensions.rollout,
                       rewards=RewardEvaluator(extensions.reward, recipe.reward.num_workers),
@@ -116,7 +119,7 @@ def _train(ctx: StageContext, fleet: Any, tokenizer: Any, start_path: str) -> di
                       decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                       state=state, on_metrics=on_metrics,
                       engines_asleep=transport.asleep if colocated else None, on_commit=on_commit,
-                      filters=extensions.filters, hooks=extensions.hooks)
+                      filters=extensions.filters, hooks=extensions.hooks, routed_experts=moe)
         _serve_checkpoint(fleet, transport, _served_policy(ctx, backend, start_path), state.policy_version, backend)
         loop.run_until(last_step)
         bar.close()

@@ -21,6 +21,8 @@ from typing import Any, Callable
 import torch
 from transformers import DynamicCache
 
+from milepost.core.engine import routing_capture
+
 
 @dataclass
 class SamplingParams:
@@ -53,10 +55,12 @@ class Sequence:
     abort_message: str | None = None
     on_done: Callable[["Sequence"], None] | None = None
     lora_name: str | None = None  # the LoRA adapter it runs with (core/engine/lora_adapter.py); None: base
+    routed_experts: list[torch.Tensor] = field(default_factory=list)  # [positions, layers, top_k] per forward
 
     def reset(self) -> None:
         """Forget partial output (retract): it is recomputed from the same seed."""
         self.output_ids, self.output_logprobs, self.input_logprobs = [], [], []
+        self.routed_experts = []
         self.finish_reason = None
 
 
@@ -151,6 +155,7 @@ class Generator:
         # transformers renamed the KV-cache argument (`past_key_values` -> `cache`, 5.2x) and a
         # model silently ignores the name it does not know, decoding without context.
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.route_tap: Any = None  # a RouterTap: the routes of every forward are kept (routing_capture.py)
 
     def _forward(self, ids, mask, pos, cache, all_logits: bool, lock) -> torch.Tensor:
         with lock or nullcontext(), torch.inference_mode():
@@ -185,6 +190,8 @@ class Generator:
         if step_hook is not None and step_hook():
             return False
         logits = self._forward(ids, mask, pos, cache, need_input, model_lock)
+        if self.route_tap is not None:
+            routing_capture.record(self.route_tap, seqs, mask)
         if need_input:
             self._score_prompts(seqs, logits, mask)
         for s in seqs:
@@ -213,6 +220,8 @@ class Generator:
             mask = torch.cat([mask, torch.ones((len(live), 1), dtype=mask.dtype)], dim=1)
             pos = pos[:, -1:] + 1
             last = self._forward(tokens.unsqueeze(-1), mask, pos, cache, False, model_lock)[:, -1]
+            if self.route_tap is not None:
+                routing_capture.record(self.route_tap, [seqs[i] for i in live], None)
 
     def _score_prompts(self, seqs: list[Sequence], logits: torch.Tensor, mask: torch.Tensor) -> None:
         width = mask.shape[1]

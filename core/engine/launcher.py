@@ -28,13 +28,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from milepost.core.config import LoraConfig, RolloutConfig
+from milepost.core.model.moe import is_moe_model
 
 ENGINE_MODULES = {"builtin": "milepost.core.engine.server", "sglang": "sglang.launch_server"}
 # What the built-in engine cannot honour: a value other than the neutral one is refused, by
 # `check_supported` here (before any launch) and by the server's own argument parser.
 BUILTIN_UNSUPPORTED = {"tp_size": 1, "dp_size": None, "ep_size": None, "nnodes": 1, "node_rank": 0,
                        "dist_init_addr": None, "mem_fraction_static": None,
-                       "enable_return_routed_experts": False, "extra_args": ()}
+                       "extra_args": ()}
 
 
 class Deferred(str):
@@ -183,14 +184,16 @@ def engine_command(cfg: RolloutConfig, model_path: str, weight_version: str, *, 
                   config_path=ADMIN_CONFIG if admin_key else None, load_delay_s=load_delay_s,
                   python=python or PYTHON, max_lora_rank=lora.rank if lora else None,
                   lora_target_modules=tuple(lora.target_modules) if lora else ())
+    # MoE models' engines return their routing (the rollout asks for it: MoE routing replay).
+    routed = s.enable_return_routed_experts or bool(is_moe_model(str(model_path)))
     if cfg.engine == "builtin":
-        cmd = EngineCommand(**common, tp_size=cfg.engine_tensor_parallel,
+        cmd = EngineCommand(**common, tp_size=cfg.engine_tensor_parallel, enable_return_routed_experts=routed,
                             enable_deterministic_inference=cfg.deterministic_inference)
     else:
         cmd = EngineCommand(**common, nccl_port=FREE_NCCL_PORT, tp_size=cfg.engine_tensor_parallel,
                             dp_size=s.dp_size, ep_size=s.ep_size, mem_fraction_static=s.mem_fraction_static,
                             enable_memory_saver=colocated,
-                            enable_return_routed_experts=s.enable_return_routed_experts,
+                            enable_return_routed_experts=routed,
                             enable_deterministic_inference=cfg.deterministic_inference,
                             extra_args=tuple(s.extra_args))
     cmd.check_supported()

@@ -31,9 +31,11 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from milepost.core.engine.http_guard import DEFAULT_MAX_BODY_MB, guard, read_key_file
+from milepost.core.engine.routing_capture import check_start_len, response_routes
 from milepost.core.engine.generation import Generator, SamplingParams, Sequence, make_sequences
 from milepost.core.engine.lora_adapter import EngineLora, add_lora_routes, requested_adapters, take_batch
 from milepost.core.engine.memory import MemoryOccupation, parse_tags
+from milepost.core.model.moe_routing import RouterTap
 from milepost.core.engine.weight_receiver import WeightReceiver
 from milepost.core.engine.weight_routes import add_weight_routes, client_gone
 from milepost.core.weight_sync.groups import MAX_GLOO_STREAMS
@@ -103,6 +105,7 @@ class Scheduler:
         self.receiver = WeightReceiver(self, weight_update_timeout_s)
         self.memory = MemoryOccupation(self)
         self.lora = EngineLora()  # serve() enables it with --enable-lora
+        self.routed_experts = False  # --enable-return-routed-experts: routes captured (routing_capture.py)
 
     def load(self) -> None:
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).eval()
@@ -115,6 +118,11 @@ class Scheduler:
         self.vocab_size = cfg.vocab_size
         self.context_len = getattr(cfg, "max_position_embeddings", None)
         self.generator = Generator(self.model, eos, cfg.pad_token_id or 0, decode, batch_invariant=self.deterministic)
+        if self.routed_experts:
+            self.generator.route_tap = RouterTap.install(self.model)
+            if self.generator.route_tap is None:
+                raise ValueError(f"--enable-return-routed-experts needs an MoE model; {self.model_path} has no "
+                                 "top-k router (drop the flag for a dense model)")
         threading.Thread(target=self._loop, daemon=True, name="engine-scheduler").start()
         self.ready = True
 
@@ -422,6 +430,8 @@ def _response(s: Sequence, sched: Scheduler, body: dict, skip_special: bool, t0:
         if s.logprob_start_len >= 0:
             meta["input_token_logprobs"] = [[lp, t, None] for lp, t in
                                             zip(s.input_logprobs, s.prompt_ids[s.logprob_start_len:])]
+    if body.get("return_routed_experts"):
+        meta["routed_experts"] = response_routes(s, body.get("routed_experts_start_len", 0))
     text = sched.tokenizer.decode(s.output_ids, skip_special_tokens=skip_special) if sched.tokenizer else ""
     return {"text": text, "output_ids": list(s.output_ids), "meta_info": meta}
 
@@ -477,9 +487,10 @@ def create_app(sched: Scheduler) -> FastAPI:
         rid = body.get("rid") or uuid.uuid4().hex
         seqs = [s for p, params in zip(prompts, per_input) for s in make_sequences(p, params, n, str(rid), start)]
         try:
+            check_start_len(body, prompts, sched.routed_experts)
             adapters = requested_adapters(body, len(prompts))
             sched.lora.check_requested(adapters)
-        except ValueError as exc:  # SGLang's texts: an unknown adapter, LoRA not enabled
+        except ValueError as exc:  # SGLang's texts: an unknown adapter, LoRA not enabled; routes not enabled
             raise BadRequest(str(exc)) from None
         for i, s in enumerate(seqs):
             s.lora_name = adapters[i // n]
@@ -587,6 +598,7 @@ def create_app(sched: Scheduler) -> FastAPI:
                 "tp_size": 1, "device": "cpu",  # the weight-update group: gloo (groups.choose_backend)
                 "weight_version": sched.weight_version, "max_batch_size": sched.max_batch_size,
                 "enable_deterministic_inference": sched.deterministic,
+                "enable_return_routed_experts": sched.routed_experts,
                 "max_gloo_streams": MAX_GLOO_STREAMS,  # /init_weights_update_group takes `gloo_streams`
                 "accepts_push_id": True,  # /pause_generation and /continue_generation take `push_id`
                 "end_weight_update_abort": True,  # /end_weight_update takes `abort` (discards the session)
@@ -604,12 +616,13 @@ def create_app(sched: Scheduler) -> FastAPI:
 def serve(model_path: str, host: str, port: int, weight_version: str = "0", max_batch_size: int = 512,
           weight_update_timeout_s: float = 300.0, admin_api_key: str | None = None,
           max_body_mb: float = DEFAULT_MAX_BODY_MB, deterministic: bool = False,
-          lora: EngineLora | None = None) -> None:
+          lora: EngineLora | None = None, routed_experts: bool = False) -> None:
     """Bind at once (health answers 503), load the model in the background, serve forever.
     `admin_api_key`: admin endpoints need it (http_guard.py); None leaves them open.
     `deterministic`: outputs that do not depend on the batch (generation.Generator)."""
     sched = Scheduler(model_path, weight_version, max_batch_size, weight_update_timeout_s, deterministic)
     sched.lora = lora or sched.lora
+    sched.routed_experts = routed_experts
     threading.Thread(target=load_engine, args=(sched,), daemon=True, name="engine-load").start()
     app = guard(create_app(sched), admin_api_key, int(max_body_mb * 2**20))
     uvicorn.run(app, host=host, port=port, log_level="warning")
@@ -625,8 +638,7 @@ def admin_key_from_args(key: str | None, key_file: str | None) -> str | None:
 # SGLang launch flags the built-in engine cannot honour, with their only accepted value (the
 # launcher renders SGLang's flags for both engines: core/engine/launcher.py).
 REFUSED_FLAGS = {"tp_size": 1, "dp_size": 1, "ep_size": 1, "nnodes": 1, "node_rank": 0, "base_gpu_id": 0,
-                 "dist_init_addr": None, "mem_fraction_static": None, "nccl_port": None,
-                 "enable_return_routed_experts": False}
+                 "dist_init_addr": None, "mem_fraction_static": None, "nccl_port": None}
 LOAD_FAILED_EXIT = 3  # exit status of an engine whose model failed to load
 
 
@@ -662,7 +674,8 @@ def build_parser() -> argparse.ArgumentParser:
                        ("--node-rank", int), ("--base-gpu-id", int), ("--dist-init-addr", str),
                        ("--mem-fraction-static", float), ("--nccl-port", int)):
         ap.add_argument(flag, type=kind, default=REFUSED_FLAGS[flag[2:].replace("-", "_")], help=argparse.SUPPRESS)
-    ap.add_argument("--enable-return-routed-experts", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--enable-return-routed-experts", action="store_true",
+                    help="SGLang's flag: /generate answers `return_routed_experts` (MoE models only)")
     ap.add_argument("--enable-lora", action="store_true", help="SGLang's flag: /load_lora_adapter and lora_path")
     ap.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank accepted")
     ap.add_argument("--lora-target-modules", nargs="*", default=None, help="layers adapters may adapt")
@@ -710,7 +723,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
            if getattr(a, k) != neutral]
     if bad:
         ap.error(f"the built-in engine cannot honour {', '.join(bad)}: it runs one process on one device "
-                 "without GPU memory management or MoE; launch SGLang for these (rollout.engine: sglang)")
+                 "without GPU memory management or expert parallelism; use SGLang (rollout.engine: sglang)")
     return a
 
 
@@ -731,7 +744,8 @@ def main(argv: list[str] | None = None) -> None:
     load_engine = load_or_exit
     serve(a.model_path, a.host, a.port, a.weight_version, a.max_batch_size, a.weight_update_timeout_s,
           admin_key_from_args(a.admin_api_key, a.admin_api_key_file), a.max_request_body_mb,
-          a.enable_deterministic_inference, EngineLora(a.enable_lora, a.max_lora_rank, a.lora_target_modules))
+          a.enable_deterministic_inference, EngineLora(a.enable_lora, a.max_lora_rank, a.lora_target_modules),
+          a.enable_return_routed_experts)
 
 
 if __name__ == "__main__":

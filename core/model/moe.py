@@ -42,8 +42,14 @@ def is_moe_model(path: str) -> bool | None:
 
 
 def check_routing_replay(recipe: Recipe) -> None:
-    """`algo.routing_replay: true` needs an MoE model: refuse it on a model known to be dense."""
-    if recipe.algo.routing_replay and is_moe_model(recipe.model.path) is False:
+    """`algo.routing_replay: true` needs an MoE model: refuse it on a model known to be dense.
+    An MoE model with `train.lora` is refused too: its rollout goes to the engines directly
+    (core/engine/direct.py), which does not name the adapter yet."""
+    moe = is_moe_model(recipe.model.path)
+    if moe and recipe.train.lora is not None:
+        raise UserError(f"train.lora with the MoE model `{recipe.model.path}` is not supported yet (MoE rollouts "
+                        "ask engines directly for their routes and do not name an adapter); remove train.lora")
+    if recipe.algo.routing_replay and moe is False:
         raise UserError(f"algo.routing_replay: true needs a mixture-of-experts model, and model.path "
                         f"`{recipe.model.path}` is dense (its config has no {'/'.join(EXPERT_KEYS)}); set "
                         "algo.routing_replay=false, or use an MoE model such as builtin:tiny-arith-moe")

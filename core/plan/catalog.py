@@ -51,6 +51,14 @@ def tiny_hf_config(model_cfg: ModelConfig) -> dict[str, Any]:
             "tie_word_embeddings": True}
 
 
+def tiny_moe_hf_config(model_cfg: ModelConfig) -> dict[str, Any]:
+    """The HF config `builtin:tiny-arith-moe` is built with (core/model/tiny_moe.py: a Qwen3-MoE)."""
+    t, m = model_cfg.tiny, model_cfg.tiny_moe
+    return {**tiny_hf_config(model_cfg), "model_type": "qwen3_moe", "head_dim": t.hidden_size // t.num_heads,
+            "num_experts": m.num_experts, "num_experts_per_tok": m.num_experts_per_tok,
+            "moe_intermediate_size": m.moe_intermediate_size, "decoder_sparse_step": 1, "mlp_only_layers": []}
+
+
 def _readable_config(path: str) -> Path | None:
     local = path.removeprefix("file://")
     if "://" in local:
@@ -63,6 +71,9 @@ def resolve_architecture(model_cfg: ModelConfig) -> tuple[Architecture, str]:
     """The architecture of the recipe's model and where it was read from."""
     if model_cfg.path == "builtin:tiny-arith":
         return from_hf_config(tiny_hf_config(model_cfg), "tiny-arith"), "builtin tiny model (model.tiny)"
+    if model_cfg.path == "builtin:tiny-arith-moe":
+        return (from_hf_config(tiny_moe_hf_config(model_cfg), "tiny-arith-moe"),
+                "builtin tiny MoE model (model.tiny, model.tiny_moe)")
     config_file = _readable_config(model_cfg.path)
     if config_file is not None:
         try:

@@ -35,7 +35,9 @@ import ray
 import torch
 import torch.distributed as dist
 
+from milepost.core.algo import routing_replay
 from milepost.core.algo.losses import rl_loss
+from milepost.core.algo.routing_replay import RankReplay
 from milepost.core.config import AlgoConfig, TrainConfig
 from milepost.core.train import lora
 from milepost.core.train.batch import (collate, count_loss_tokens, num_micro_batches,
@@ -112,6 +114,7 @@ class RankWorker(SenderRank):
         elif self.rank == 0:  # the rank that sends weights: buckets become spans (no copy to send)
             pack_parameters(self.module)
         self.pad_id = int(self.module.config.pad_token_id or 0)
+        self.replay = RankReplay.attach(self.module, self.algo_cfg.routing_replay)  # None: dense model
         self.model = DDP(self.module)
         self.ref = load_causal_lm(self.model_path, torch.float32).eval() if self.algo_cfg.kl_coef > 0 else None
         if self.ref is not None:
@@ -126,7 +129,9 @@ class RankWorker(SenderRank):
     def _micro_batch(self, samples: list[Sample], normalizer: float) -> tuple[float, dict[str, float]]:
         """Forward + backward of one micro-batch; returns (loss, rl_loss metrics)."""
         batch = collate(samples, self.pad_id)
-        logprobs, entropy = response_logprobs_and_entropy(self.model, batch, self.temperature)
+        routes = self.replay.routes(samples, batch) if self.replay else None  # MoE: the engine's experts
+        with self.replay.applied(routes) if self.replay else nullcontext():
+            logprobs, entropy = response_logprobs_and_entropy(self.model, batch, self.temperature)
         if self.algo_cfg.entropy_coef == 0:
             entropy = entropy.detach()
         ref = None
@@ -141,6 +146,9 @@ class RankWorker(SenderRank):
         if mask.any():  # engine vs trainer logprobs of the same weights: TIS and on-policy hinge on it
             gap = (logprobs.detach() - batch["engine_logprobs"]).abs()[mask].max()
             metrics["train/engine_logprob_diff_max"] = float(gap)
+        if routes is not None:  # agreement, and the gap with and without replay (one more forward)
+            metrics.update(self.replay.compare(logprobs.detach(), batch, routes,
+                                               lambda: response_logprobs(self.module, batch, self.temperature)))
         return float(loss.detach()), metrics
 
     def train(self, samples: list[Sample], n_micro: int, normalizer: float) -> dict[str, float]:
@@ -270,6 +278,7 @@ class TorchBackend(Rank0WeightSource):
         metrics[SKIPPED_METRIC] = per_rank[0][SKIPPED_METRIC]  # agreed by every rank
         if metrics[SKIPPED_METRIC]:
             log_skipped_step(step, metrics)
+        metrics = routing_replay.finish_metrics(metrics)
         metrics["train/num_tokens"] = float(num_tokens)
         metrics["train/num_micro_batches"] = float(n_micro)
         metrics["train/step"] = float(step)
