@@ -30,14 +30,24 @@ from milepost.core.weight_sync.base import (Deadline, WeightSyncError, best_effo
 ADAPTER_NAME = "policy"  # the one adapter a milepost fleet serves; rollouts send it as lora_path
 
 
+def unload_body() -> dict[str, Any]:
+    """SGLang's UnloadLoRAAdapterReqInput."""
+    return {"lora_name": ADAPTER_NAME}
+
+
+def load_body(path: str) -> dict[str, Any]:
+    """SGLang's LoadLoRAAdapterReqInput (not pinned: one adapter, nothing to evict)."""
+    return {"lora_name": ADAPTER_NAME, "lora_path": path, "pinned": False}
+
+
 def replace_adapter(client: EngineClient, path: str, timeout_s: float) -> dict[str, Any]:
     """Unload the engine's adapter (if it has one) and load the folder `path` in its place."""
     try:
-        client._control("/unload_lora_adapter", {"lora_name": ADAPTER_NAME}, timeout_s)
+        client._control("/unload_lora_adapter", unload_body(), timeout_s)
     except EngineError as exc:
         if exc.status is None or "does not exist" not in exc.message:
             raise
-    return client._control("/load_lora_adapter", {"lora_name": ADAPTER_NAME, "lora_path": path}, timeout_s)
+    return client._control("/load_lora_adapter", load_body(path), timeout_s)
 
 
 def load_served(client: EngineClient, path: str, version: str, timeout_s: float | None = None) -> dict[str, Any]:

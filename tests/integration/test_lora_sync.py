@@ -20,7 +20,7 @@ from milepost.core.engine.client import EngineClient, EngineError
 from milepost.core.train import lora
 from milepost.core.train.torch_backend import TorchBackend
 from milepost.core.types import Sample
-from milepost.core.weight_sync.lora_push import ADAPTER_NAME, AdapterRequests, LoraTransport
+from milepost.core.weight_sync.lora_push import ADAPTER_NAME, AdapterRequests, LoraTransport, load_body, unload_body
 
 from tinymodels import save_tiny_qwen2, start_engines, stop_engines
 
@@ -134,3 +134,18 @@ def test_a_failed_load_leaves_the_last_good_adapter_served(setup) -> None:
     with pytest.raises(EngineError, match="not loaded: other"):
         engines[0].generate([3, 4], {"max_new_tokens": 2}, lora_path="other")
     assert isinstance(engines[0], EngineClient)
+
+
+def test_the_adapter_requests_are_sglangs(tmp_path) -> None:
+    """What LoraTransport and the rollout send, parsed by SGLang 0.5.23's own request classes."""
+    import sglang_oracle
+    try:
+        sgl = sglang_oracle.load()
+    except sglang_oracle.SGLangMissing as exc:
+        pytest.fail(str(exc), pytrace=False)
+    load = sglang_oracle.request(sgl, "LoadLoRAAdapterReqInput", load_body(str(tmp_path)))
+    assert (load.lora_name, load.lora_path, load.pinned) == (ADAPTER_NAME, str(tmp_path), False)
+    assert sglang_oracle.request(sgl, "UnloadLoRAAdapterReqInput", unload_body()).lora_name == ADAPTER_NAME
+    generate = sglang_oracle.request(sgl, "GenerateReqInput", {"input_ids": [[3, 4], [5]], "sampling_params": SAMPLING,
+                                                              "return_logprob": True, "lora_path": ADAPTER_NAME})
+    assert generate.lora_path == ADAPTER_NAME

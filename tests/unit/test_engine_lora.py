@@ -101,3 +101,29 @@ def test_a_batch_holds_one_adapter_and_the_others_keep_their_order() -> None:
     assert [s.i for s in queue] == [1, 3, 4, 5]
     assert [s.i for s in take_batch(queue, 8)] == [1, 4]
     assert [s.i for s in queue] == [3, 5]
+
+
+def test_the_launcher_renders_sglangs_lora_flags_and_the_builtin_engine_takes_them() -> None:
+    from milepost.core.config import RolloutConfig
+    from milepost.core.engine.launcher import engine_command
+    from milepost.core.engine.server import parse_args
+    argv = engine_command(RolloutConfig(), "/m", "0", colocated=False, host="127.0.0.1", lora=CFG).resolve(
+        port=8000, python="python").argv()
+    i = argv.index("--enable-lora")
+    assert argv[i:i + 6] == ["--enable-lora", "--max-lora-rank", "4", "--lora-target-modules", "q_proj", "v_proj"]
+    args = parse_args(argv[3:])
+    assert (args.enable_lora, args.max_lora_rank, args.lora_target_modules) == (True, 4, list(CFG.target_modules))
+    assert "--enable-lora" not in engine_command(RolloutConfig(), "/m", "0", colocated=False).argv()
+
+
+def test_rollout_requests_name_the_adapter_only_once_one_is_served() -> None:
+    from milepost.core.weight_sync.lora_push import AdapterRequests
+
+    class Recorder:  # what would go to the router: the keyword arguments of generate
+        def generate(self, *args, **kwargs):
+            return kwargs
+    served: list[str | None] = [None]
+    client = AdapterRequests(Recorder(), lambda: served[0])
+    assert "lora_path" not in client.generate([1], {})
+    served[0] = "policy"
+    assert client.generate([1], {})["lora_path"] == "policy"
