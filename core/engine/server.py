@@ -31,6 +31,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from milepost.core.engine.http_guard import DEFAULT_MAX_BODY_MB, guard, read_key_file
+from milepost.core.engine.checkpoint_layout import live_layout
 from milepost.core.engine.routing_capture import check_start_len, response_routes
 from milepost.core.engine.generation import Generator, SamplingParams, Sequence, make_sequences
 from milepost.core.engine.lora_adapter import EngineLora, add_lora_routes, requested_adapters, take_batch
@@ -263,6 +264,7 @@ class Scheduler:
         state: dict[str, torch.Tensor] = {}
         for f in files:
             state.update(load_file(f))
+        state = live_layout(state, self.model, path)  # a saved MoE's per-expert tensors, fused as live
         problem = self._check_state(state)
         if problem:  # validated first, so a bad checkpoint leaves the model untouched
             return False, problem

@@ -174,3 +174,17 @@ def test_routing_replay_on_a_dense_model_is_refused() -> None:
         check_routing_replay(Recipe.model_validate({"algo": {"routing_replay": True}}))
     check_routing_replay(Recipe.model_validate({"algo": {"routing_replay": True},
                                                 "model": {"path": "builtin:tiny-arith-moe"}}))
+
+
+def test_a_saved_moe_checkpoint_loads_into_the_live_layout(model, tmp_path) -> None:
+    """transformers saves experts one Linear each; the engine's disk update needs them fused."""
+    from safetensors.torch import load_file
+    from milepost.core.engine.checkpoint_layout import live_layout
+
+    model.save_pretrained(tmp_path)
+    raw = load_file(str(tmp_path / "model.safetensors"))
+    assert "model.layers.0.mlp.experts.gate_up_proj" not in raw  # the per-expert hub layout
+    state = live_layout(raw, model, str(tmp_path))
+    own = model.state_dict()
+    assert set(state) <= set(own) and all(torch.equal(state[k], own[k]) for k in state)
+    assert live_layout(state, model, str(tmp_path)) is state  # already live: used as is
