@@ -31,7 +31,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DAG_ID = "milepost_tiny_arith"
-STEPS = 6
+STEPS = 4
 BLOCKS = 2
 OVERRIDES = [f"campaign.num_blocks={BLOCKS}", f"campaign.steps_per_block={STEPS}", "checkpoint.every_steps=2",
              "rollout.prompts_per_step=8", "rollout.num_samples_per_prompt=4", "model.tiny.warmstart_steps=60",
@@ -128,7 +128,9 @@ def test_a_bad_override_is_refused_with_the_validation_message_and_starts_nothin
     assert not (airflow.work / "bad").exists()
 
 
-def test_a_campaign_runs_its_blocks_as_dag_runs_with_stages_deferred_on_slurm(airflow) -> None:
+@pytest.fixture(scope="module")
+def reference(airflow) -> tuple[Path, set, set]:
+    """The uninterrupted 2-block campaign: (campaign, task states seen in block 0's run, in block 1's)."""
     from milepost.dags.progress import next_run_id
 
     campaign = airflow.work / "reference"
@@ -139,6 +141,11 @@ def test_a_campaign_runs_its_blocks_as_dag_runs_with_stages_deferred_on_slurm(ai
     second = next_run_id(1, run["dag_run_id"])  # triggered by block 0's progress task
     state, seen_1 = airflow.wait_run(second)
     assert state == "success", airflow.task_states(second)
+    return campaign, seen, seen_1
+
+
+def test_a_campaign_runs_its_blocks_as_dag_runs_with_stages_deferred_on_slurm(airflow, reference) -> None:
+    campaign, seen, seen_1 = reference
     for block, observed in ((0, seen), (1, seen_1)):
         for stage in ("launch_ray", "rollout", "train", "sync", "evaluate"):
             assert (stage, "deferred") in observed, (block, stage, sorted(observed))
@@ -148,12 +155,12 @@ def test_a_campaign_runs_its_blocks_as_dag_runs_with_stages_deferred_on_slurm(ai
     assert not (campaign / "lease.json").exists(), "the last run's teardown gives the lease back"
 
 
-def test_a_killed_train_job_is_retried_and_resumes_to_the_same_weights(airflow) -> None:
+@pytest.mark.extended  # CI: a Slurm stage job lost mid-train resumes in test_slurm_campaign.py
+def test_a_killed_train_job_is_retried_and_resumes_to_the_same_weights(airflow, reference) -> None:
     from milepost.core.store import CampaignStore
     from milepost.tasks.progression import request_stop
 
-    reference = airflow.work / "reference"
-    assert _record(reference, 0, "train").get("model_sha256"), "needs the uninterrupted campaign (test above)"
+    reference = reference[0]
     campaign = airflow.work / "killed"
     status, run = airflow.trigger({"campaign_url": str(campaign), "block": 0, "overrides": OVERRIDES})
     assert status == 200, run
@@ -165,7 +172,7 @@ def test_a_killed_train_job_is_retried_and_resumes_to_the_same_weights(airflow) 
             train = _record(campaign, 0, "train") if campaign.exists() else {}
             metrics = campaign / "blocks/000000/metrics.jsonl"
             steps = len(metrics.read_text().splitlines()) if metrics.exists() else 0
-            # After the step-2 checkpoint and before the block's last step.
+            # After the step-2 checkpoint and before the block's last step (step 3 done).
             if train.get("state") == "running" and train.get("slurm_job_id") and 3 <= steps < STEPS:
                 subprocess.run(["scancel", train["slurm_job_id"]], check=True)
                 killed.append(train["slurm_job_id"])

@@ -5,7 +5,7 @@ other is killed (SIGKILL, no clean-up) at seeded-random moments in block 0 and b
 rerun each time, and must end with the same `model_sha256`, the same per-step metrics
 (timings aside) and exactly the same prompts. `tensor` and `distributed` train the same
 bits, so they share one reference; `disk` has its own (see below). CI runs `disk` (the
-embedded default); `tensor` and `distributed` are in the extended suite (`-m extended`). The engines run batch-invariant
+embedded default); `tensor` and `distributed` are in the extended suite (`-m extended`), as is the async case. The engines run batch-invariant
 (`rollout.deterministic_inference`): otherwise their logprobs, which the trainer uses, move
 in the low bits with how requests happened to be batched, and no two runs are bitwise equal.
 The model is warm-started as the recipe does, so rewards are non-zero and RL moves the
@@ -128,6 +128,7 @@ def test_sigkilled_sync_campaign_resumes_bitwise_and_trains_each_prompt_once(tra
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # CI kills async campaigns through tests/faults (driver, router)
 def test_sigkilled_async_campaign_trains_every_prompt_once_within_the_staleness_bound(tmp_path, model_cache):
     cache, campaign, log = model_cache, tmp_path / "async", tmp_path / "runs.log"
     extra = ("loop.max_staleness=1", "cluster.placement=disaggregated")

@@ -211,6 +211,7 @@ def _train_job_node(campaign: Path, min_step: int, proc: subprocess.Popen, log: 
         time.sleep(0.2)
 
 
+@pytest.mark.extended  # CI: test_preempted_train_job… below loses the train job mid-block the same way
 def test_node_down_mid_train_resumes_from_the_last_checkpoint(dev_cluster, reference, tmp_path):
     (local, cache), log, campaign = reference, tmp_path / "runs.log", tmp_path / "slurm"
     with open(log, "ab") as out:
