@@ -37,6 +37,7 @@ class DirectEngines:
         self._lock = threading.Lock()
         self._in_flight: dict[int, int] = {}  # id(client) -> requests running there
         self._failed: dict[int, float] = {}  # id(client) -> when its last request failed
+        self.num_requests: dict[str, int] = {}  # engine URL -> requests sent there (load balance, tests)
 
     def _pick(self) -> EngineClient:
         now = time.monotonic()
@@ -48,6 +49,7 @@ class DirectEngines:
                 raise EngineError("POST /generate", None, "no engine is serving (all dead or restarting)")
             client = min(pool, key=lambda c: self._in_flight.get(id(c), 0))
             self._in_flight[id(client)] = self._in_flight.get(id(client), 0) + 1
+            self.num_requests[client.base_url] = self.num_requests.get(client.base_url, 0) + 1
             return client
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
