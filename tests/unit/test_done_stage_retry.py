@@ -8,10 +8,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("airflow.sdk")
-
-from milepost.core.recipe_io import dump_recipe, load_recipe  # noqa: E402
-from milepost.core.store import CampaignStore  # noqa: E402
+from milepost.core.recipe_io import dump_recipe, load_recipe
+from milepost.core.store import CampaignStore
 from milepost.dags.operators import StageOperator  # noqa: E402
 
 RECIPE = str(Path(__file__).resolve().parents[2] / "recipes" / "tiny-arith.yaml")

@@ -55,7 +55,7 @@ def test_initialisation_depends_on_seed_and_layer_name_only() -> None:
 
 
 def test_peft_loads_the_saved_adapter_and_computes_the_same_logits(tmp_path) -> None:
-    peft = pytest.importorskip("peft")
+    import peft  # the test extra's: its own reader is the check
     base = tiny_qwen2()
     ours = copy.deepcopy(base)
     cfg = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "o_proj", "down_proj"])

@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("wandb")
-
 from milepost.core.metrics.sinks import SinkSet  # noqa: E402
 from milepost.core.metrics.wandb_sink import STEP_KEY, WandbSink, read_history  # noqa: E402
 from milepost.core.recipe_io import RecipeError, recipe_from_dict  # noqa: E402
