@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from milepost.core.recipe_io import dump_recipe, load_recipe
 from milepost.core.store import CampaignStore
 from milepost.dags.operators import StageOperator  # noqa: E402
