@@ -90,6 +90,14 @@ class EngineClient:
             "model_path": model_path, "load_format": None, "abort_all_requests": abort_all_requests,
             "weight_version": weight_version, "flush_cache": flush_cache}, timeout_s)
 
+    def load_lora_adapter(self, body: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+        """SGLang's /load_lora_adapter (LoadLoRAAdapterReqInput: lora_name, lora_path, pinned)."""
+        return self._control("/load_lora_adapter", body, timeout_s)
+
+    def unload_lora_adapter(self, body: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+        """SGLang's /unload_lora_adapter (UnloadLoRAAdapterReqInput: lora_name)."""
+        return self._control("/unload_lora_adapter", body, timeout_s)
+
     def update_weight_version(self, new_version: str, abort_all_requests: bool = True,
                               timeout_s: float | None = None) -> dict[str, Any]:
         return self._control("/update_weight_version",

@@ -59,8 +59,8 @@ class EngineLora:
                 return False, f"Failed to load LoRA adapter {name} because it is already loaded"
         try:
             adapter = self._read(model, name, path)
-        except (OSError, ValueError, KeyError) as exc:
-            return False, f"Failed to load LoRA adapter {name} from {path}: {exc}"
+        except Exception as exc:  # noqa: BLE001 - a bad adapter file (safetensors' own errors included) is a 400
+            return False, f"Failed to load LoRA adapter {name} from {path}: {type(exc).__name__}: {exc}"
         with self._lock:
             if name in self.adapters:
                 return False, f"Failed to load LoRA adapter {name} because it is already loaded"

@@ -43,11 +43,11 @@ def load_body(path: str) -> dict[str, Any]:
 def replace_adapter(client: EngineClient, path: str, timeout_s: float) -> dict[str, Any]:
     """Unload the engine's adapter (if it has one) and load the folder `path` in its place."""
     try:
-        client._control("/unload_lora_adapter", unload_body(), timeout_s)
+        client.unload_lora_adapter(unload_body(), timeout_s)
     except EngineError as exc:
         if exc.status is None or "does not exist" not in exc.message:
             raise
-    return client._control("/load_lora_adapter", load_body(path), timeout_s)
+    return client.load_lora_adapter(load_body(path), timeout_s)
 
 
 def load_served(client: EngineClient, path: str, version: str, timeout_s: float | None = None) -> dict[str, Any]:
@@ -151,5 +151,7 @@ class LoraTransport:
             try:
                 replace_adapter(client, self.last_good, deadline.left())
             except Exception as exc:  # noqa: BLE001 - reported; continue must still be sent
+                if isinstance(exc, EngineError) and exc.status is None:
+                    raise  # no reply (a connection the engine closed): best_effort runs this cleanup again
                 log.warning("restoring adapter %s on %s failed: %s", self.last_good, client.base_url, exc)
         client.continue_generation(timeout_s=deadline.left(), push_id=push_id)

@@ -127,3 +127,10 @@ def test_rollout_requests_name_the_adapter_only_once_one_is_served() -> None:
     assert "lora_path" not in client.generate([1], {})
     served[0] = "policy"
     assert client.generate([1], {})["lora_path"] == "policy"
+
+
+def test_a_corrupt_adapter_file_is_a_400_naming_it(engine, tmp_path) -> None:
+    (tmp_path / lora.ADAPTER_CONFIG).write_text((engine.root / "adapter" / lora.ADAPTER_CONFIG).read_text())
+    (tmp_path / lora.ADAPTER_WEIGHTS).write_bytes(b"not safetensors")
+    r = engine.client.post("/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(tmp_path)})
+    assert r.status_code == 400 and f"Failed to load LoRA adapter bad from {tmp_path}" in r.json()["error_message"]
