@@ -9,6 +9,12 @@ and sync/bytes (the adapter file each engine loads per push) against sync/full_w
 (the base model's safetensors, what a full-weight push would move).
 
     python bench/lora_campaign.py --work /tmp/lora-bench [--seed 1] [--steps 6]
+
+With --kill-engine it instead SIGKILLs the engine process once a seeded-random step is
+recorded, in a single run: the fleet's supervisor restarts it from the base weights and it
+must load the served adapter before serving again (reports the restarts and the largest
+engine/trainer logprob gap after the kill; a restarted engine without the adapter would
+answer 400 to lora_path, or give base-model logprobs).
 """
 
 from __future__ import annotations
@@ -44,11 +50,30 @@ def run_killed(campaign: Path, cache: Path, overrides: list[str], log: Path, aft
     return cp.steps_recorded(campaign)
 
 
+def run_engine_killed(work: Path, cache: Path, overrides: list[str], log: Path, after_step: int) -> dict:
+    campaign = work / "engine-killed"
+    proc = cp.start(campaign, cache, overrides, log)
+    deadline = time.monotonic() + 1200
+    while cp.steps_recorded(campaign) < after_step:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"run ended or stalled before step {after_step}; see {log}")
+        time.sleep(0.05)
+    pid = cp.fleet_doc(campaign)["engines"][0]["pid"]  # an engine this run started
+    os.kill(pid, signal.SIGKILL)
+    assert proc.wait(1800) == 0, log
+    rows = cp.metrics(campaign)
+    restarts = cp.record(campaign, "train").get("engine_restarts")
+    return {"killed_engine_pid": pid, "after_step": after_step, "steps": len(rows), "engine_restarts": restarts,
+            "engine_logprob_diff_max_after_kill": max(r["train/engine_logprob_diff_max"] for r in rows
+                                                      if r["step"] > after_step)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", required=True, help="an empty folder for the two campaigns and the log")
     ap.add_argument("--seed", type=int, default=1, help="picks the kill's step and delay")
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--kill-engine", action="store_true", help="kill the engine instead of `milepost run`")
     a = ap.parse_args()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -58,6 +83,9 @@ def main() -> None:
     overrides = [*shape.overrides(), "rollout.deterministic_inference=true"]
     log = work / "runs.log"
     cp.build_model(cache, overrides)
+    if a.kill_engine:
+        print(json.dumps(run_engine_killed(work, cache, overrides, log, random.Random(a.seed).randint(1, a.steps - 2))))
+        return
     t0 = time.monotonic()
     assert cp.run_to_end(work / "reference", cache, overrides, log, timeout_s=1800) == 0, log
     ref_s = time.monotonic() - t0
