@@ -47,6 +47,8 @@ class TrainLayout:
     micro_batch_tokens: int = 1  # tokens of one micro-batch (before CP splits it)
     seq_tokens: int = 1  # longest sample: prompt + response
     tokens_per_step: int = 1  # every sample of a step at its longest
+    lora_rank: int = 0  # train.lora: grads and optimizer state are the adapter's only (0: off)
+    lora_targets: tuple[str, ...] = ()
 
     @property
     def dp(self) -> int:
@@ -91,16 +93,18 @@ def train_layout(recipe: Recipe) -> TrainLayout:
     t, r = recipe.train, recipe.rollout
     seq = r.max_prompt_tokens + r.max_new_tokens
     per_step = r.prompts_per_step * r.num_samples_per_prompt * seq
+    lora = dict(lora_rank=t.lora.rank, lora_targets=tuple(t.lora.target_modules)) if t.lora else {}
     if t.backend == "torch":  # DDP: whole model on every rank, fp32 parameters
         return TrainLayout(backend="torch", num_ranks=t.num_ranks, precision="fp32",
-                           micro_batch_tokens=t.micro_batch_size * seq, seq_tokens=seq, tokens_per_step=per_step)
+                           micro_batch_tokens=t.micro_batch_size * seq, seq_tokens=seq, tokens_per_step=per_step,
+                           **lora)
     m = t.megatron
     return TrainLayout(
         backend="megatron", num_ranks=t.num_ranks, tp=m.tensor_parallel, pp=m.pipeline_parallel,
         vpp=m.virtual_pipeline, cp=m.context_parallel, ep=m.expert_parallel,
         etp=m.expert_tensor_parallel or m.tensor_parallel, sequence_parallel=m.sequence_parallel,
         distributed_optimizer=m.distributed_optimizer, recompute=m.recompute, precision=t.precision,
-        micro_batch_tokens=m.micro_batch_tokens, seq_tokens=seq, tokens_per_step=per_step)
+        micro_batch_tokens=m.micro_batch_tokens, seq_tokens=seq, tokens_per_step=per_step, **lora)
 
 
 def roles(recipe: Recipe) -> Roles:

@@ -95,6 +95,8 @@ def trainer_memory(arch: Architecture, lay: TrainLayout, stage: int) -> list[Mem
     pb = BYTES[lay.precision]
     shown = f"{count_text(dense)} dense" + (f" + {count_text(expert)} expert" if expert else "") + " params"
     items = [MemoryItem("weights", params * pb, f"{shown} x {pb} B ({lay.precision})")]
+    if lay.lora_rank:  # only the adapter trains (replicated on TP ranks): its grads and optimizer state
+        return items + lora_memory(arch, lay, layers) + _activations_and_logits(arch, lay, stage, layers)
     items.append(MemoryItem("grads", params * 4, f"{count_text(params)} params x 4 B (fp32 grads)"))
     opt_b = 12 if lay.precision == "bf16" else 8
     what = "fp32 master + m + v" if opt_b == 12 else "fp32 m + v"
@@ -106,12 +108,33 @@ def trainer_memory(arch: Architecture, lay: TrainLayout, stage: int) -> list[Mem
     else:
         opt, f = opt_b * params, f"{count_text(params)} params x {opt_b} B ({what}), replicated over DP"
     items.append(MemoryItem("optimizer", opt, f))
-    items.append(_activations(arch, lay, stage, layers))
-    if last:
+    return items + _activations_and_logits(arch, lay, stage, layers)
+
+
+def _activations_and_logits(arch: Architecture, lay: TrainLayout, stage: int, layers: list[int]) -> list[MemoryItem]:
+    items = [_activations(arch, lay, stage, layers)]
+    if stage == lay.pp - 1:
         s = lay.micro_batch_tokens / lay.cp
-        items.append(MemoryItem("logits", s * arch.vocab_size / tp * 8, f"{count_text(s)} tokens x vocab "
-                                f"{arch.vocab_size} / TP {tp} x 8 B (fp32 logits + softmax)"))
+        items.append(MemoryItem("logits", s * arch.vocab_size / lay.tp * 8, f"{count_text(s)} tokens x vocab "
+                                f"{arch.vocab_size} / TP {lay.tp} x 8 B (fp32 logits + softmax)"))
     return items
+
+
+def lora_memory(arch: Architecture, lay: TrainLayout, layers: list[int]) -> list[MemoryItem]:
+    """train.lora: r x (in + out) parameters per adapted Linear of each layer (in the model's
+    precision, as the backends hold them), their fp32 grads and Adam's state (an fp32 master
+    copy too under bf16); the base's grads and optimizer state do not exist."""
+    q, kv, h = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.hidden_size
+    f = arch.intermediate_size
+    dims = {"q_proj": h + q, "k_proj": h + kv, "v_proj": h + kv, "o_proj": q + h, "gate_proj": h + f,
+            "up_proj": h + f, "down_proj": f + h}
+    per_layer = lay.lora_rank * sum(dims.get(t, 0) for t in lay.lora_targets)
+    n = per_layer * len(layers)
+    what = f"{count_text(n)} adapter params (rank {lay.lora_rank}, {len(lay.lora_targets)} targets)"
+    pb, opt_b = BYTES[lay.precision], 12 if lay.precision == "bf16" else 8
+    return [MemoryItem("adapter", n * pb, f"{what} x {pb} B ({lay.precision})"),
+            MemoryItem("grads", n * 4, f"{what} x 4 B (fp32 grads; the base has none)"),
+            MemoryItem("optimizer", n * opt_b, f"{what} x {opt_b} B (Adam state; the base has none)")]
 
 
 def _activations(arch: Architecture, lay: TrainLayout, stage: int, layers: list[int]) -> MemoryItem:

@@ -74,7 +74,7 @@ def _worst_stage(arch: Architecture, lay: TrainLayout) -> tuple[int, list[Memory
 def _phases(r: Roles, trainer: list[MemoryItem], engine: list[MemoryItem], reserve: float) -> list[Phase]:
     if r.placement == "disaggregated":
         return [Phase("trainer device", trainer, reserve), Phase("engine device", engine, reserve)]
-    static = [i for i in trainer if i.name in ("weights", "grads", "optimizer")]
+    static = [i for i in trainer if i.name in ("weights", "adapter", "grads", "optimizer")]
     return [Phase("training (engines asleep)", trainer, reserve),
             Phase("rollout (trainer state resident)", static + engine, reserve)]
 

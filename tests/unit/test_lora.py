@@ -109,3 +109,16 @@ def test_the_recipe_refuses_full_weight_transports_and_empty_targets() -> None:
         Recipe.model_validate({"train": {"lora": {"target_modules": []}}})
     with pytest.raises(ValidationError, match="dropout"):
         Recipe.model_validate({"train": {"lora": {"dropout": 1.0}}})
+
+
+def test_the_plan_counts_grads_and_adam_state_of_the_adapter_only() -> None:
+    from milepost.core.config import Recipe
+    from milepost.core.plan.arch import Architecture
+    from milepost.core.plan.layout import train_layout
+    from milepost.core.plan.memory import trainer_memory
+    arch = Architecture(name="t", model_type="qwen2", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                        head_dim=32, intermediate_size=256, vocab_size=15, tied_embeddings=True)
+    recipe = Recipe.model_validate({"train": {"lora": {"rank": 8, "target_modules": ["q_proj", "down_proj"]}}})
+    items = {i.name: i.bytes for i in trainer_memory(arch, train_layout(recipe), 0)}
+    adapter = 2 * 8 * ((128 + 128) + (256 + 128))  # layers x rank x (in + out) per target
+    assert items["adapter"] == items["grads"] == 4 * adapter and items["optimizer"] == 8 * adapter
