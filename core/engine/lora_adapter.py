@@ -95,8 +95,12 @@ class EngineLora:
 
     @contextmanager
     def active(self, name: str | None) -> Iterator[None]:
-        """The scheduler thread's batch runs with adapter `name` (None: the base model)."""
+        """The scheduler thread's batch runs with adapter `name` (None: the base model). Raises
+        when the adapter was unloaded after its requests were admitted: they must not silently
+        run on the base model (the scheduler aborts the batch with this message)."""
         with self._lock:
+            if name is not None and name not in self.adapters:
+                raise ValueError(f"LoRA adapter {name} was unloaded before its requests ran; load it again")
             self.current = self.adapters.get(name) if name is not None else None
         try:
             yield

@@ -134,3 +134,12 @@ def test_a_corrupt_adapter_file_is_a_400_naming_it(engine, tmp_path) -> None:
     (tmp_path / lora.ADAPTER_WEIGHTS).write_bytes(b"not safetensors")
     r = engine.client.post("/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(tmp_path)})
     assert r.status_code == 400 and f"Failed to load LoRA adapter bad from {tmp_path}" in r.json()["error_message"]
+
+
+def test_requests_whose_adapter_was_unloaded_meanwhile_do_not_run_on_the_base_model() -> None:
+    lora_state = EngineLora(True)
+    with pytest.raises(ValueError, match="LoRA adapter gone was unloaded before its requests ran"):
+        with lora_state.active("gone"):
+            pass
+    with lora_state.active(None):
+        assert lora_state.current is None
