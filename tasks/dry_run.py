@@ -20,6 +20,7 @@ from pathlib import Path
 from milepost.core.config import Recipe
 from milepost.core.engine.launcher import FREE_PORT, NODE_IP, PLACEHOLDERS, Deferred, engine_command, engine_gpus
 from milepost.core.engine.router import router_command
+from milepost.core.model.moe import is_moe_model
 from milepost.core.placement import GROUP_NAME, Placement
 from milepost.core.secrets import secret_path
 from milepost.tasks.context import ENGINE_ADMIN_KEY
@@ -112,7 +113,8 @@ def fleet_lines(recipe: Recipe, root: str, block: int = 0) -> list[str]:
     model = recipe.model.path
     if model.startswith("builtin:"):
         model = Deferred(f"{{{model} model, built and cached at first use}}")
-    template = engine_command(r, model, "0", colocated=colocated, host=host, admin_key=True, lora=recipe.train.lora)
+    template = engine_command(r, model, "0", colocated=colocated, host=host, admin_key=True, lora=recipe.train.lora,
+                              moe=is_moe_model(recipe.model.path))
     bundles = placement.bundles()
     out = [f"== rollout: {r.num_engines} × {r.engine} engine (TP {r.engine_tensor_parallel}), {placement.mode}, "
            f"as detached Ray actors; placement group {GROUP_NAME} (PACK), bundles: {bundles}",

@@ -174,7 +174,7 @@ PLACEHOLDERS = {
 
 def engine_command(cfg: RolloutConfig, model_path: str, weight_version: str, *, colocated: bool,
                    host: str | None = None, admin_key: bool = False, load_delay_s: float = 0.0,
-                   python: str | None = None, lora: LoraConfig | None = None) -> EngineCommand:
+                   python: str | None = None, lora: LoraConfig | None = None, moe: bool | None = None) -> EngineCommand:
     """The launch template of one engine of `cfg` (rollout section). `host` None: the node's IP
     (`{node_ip}` until launch); ports are picked free on the node at launch; `admin_key`: the
     engine gets `--config` with the admin key (written by the actor on its node)."""
@@ -185,7 +185,8 @@ def engine_command(cfg: RolloutConfig, model_path: str, weight_version: str, *, 
                   python=python or PYTHON, max_lora_rank=lora.rank if lora else None,
                   lora_target_modules=tuple(lora.target_modules) if lora else ())
     # MoE models' engines return their routing (the rollout asks for it: MoE routing replay).
-    routed = s.enable_return_routed_experts or bool(is_moe_model(str(model_path)))
+    # `moe` None: told from the model folder (a template's placeholder path says nothing).
+    routed = s.enable_return_routed_experts or bool(is_moe_model(str(model_path)) if moe is None else moe)
     if cfg.engine == "builtin":
         cmd = EngineCommand(**common, tp_size=cfg.engine_tensor_parallel, enable_return_routed_experts=routed,
                             enable_deterministic_inference=cfg.deterministic_inference)

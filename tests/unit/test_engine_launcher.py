@@ -176,3 +176,16 @@ def test_sglang_own_parser_reads_the_rendered_command(tmp_path) -> None:
     assert (a["dist_init_addr"], a["nnodes"], a["node_rank"]) == ("10.1.2.3:29555", 2, 1)
     assert a["admin_api_key"] == "s3cret key"  # from the owner-only --config YAML, not argv
     assert (a["attention_backend"], a["served_model_name"]) == ("fa3", "q $(id)")  # extra_args verbatim
+
+
+def test_moe_models_engines_return_their_routes(tmp_path) -> None:
+    """MoE routing replay: an MoE model's engines get --enable-return-routed-experts (told from
+    its config.json, or given), a dense model's do not; both engines accept the flag."""
+    import json
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 4}))
+    for engine in ("builtin", "sglang"):
+        cfg = RolloutConfig(engine=engine)
+        assert "--enable-return-routed-experts" in engine_command(cfg, str(tmp_path), "0", colocated=False).argv()
+        assert "--enable-return-routed-experts" not in engine_command(cfg, "/m", "0", colocated=False).argv()
+        placeholder = engine_command(cfg, "{builtin model}", "0", colocated=False, moe=True)
+        assert "--enable-return-routed-experts" in placeholder.argv()
