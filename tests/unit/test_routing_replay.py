@@ -188,3 +188,25 @@ def test_a_saved_moe_checkpoint_loads_into_the_live_layout(model, tmp_path) -> N
     own = model.state_dict()
     assert set(state) <= set(own) and all(torch.equal(state[k], own[k]) for k in state)
     assert live_layout(state, model, str(tmp_path)) is state  # already live: used as is
+
+
+def test_a_partial_response_asks_for_routes_and_merges_its_continuations() -> None:
+    from milepost.core.partial_rollout import PartialResponse
+    from milepost.core.types import Prompt
+
+    def answer(num_inputs: int, ids: list[int], version: str, expert: int, reason: str) -> dict:
+        routes = np.full((num_inputs + len(ids) - 1, LAYERS, TOP_K), expert)
+        return {"output_ids": ids, "meta_info": {"output_token_logprobs": [[-1.0, t, None] for t in ids],
+                                                 "weight_version": version, "finish_reason": {"type": reason},
+                                                 "routed_experts": encode_routes(routes)}}
+
+    r = PartialResponse(Prompt(0, "", "", [5, 6, 7]), 0, seed=1, max_new_tokens=4, want_routes=True)
+    r.absorb(answer(3, [8, 9], "1", expert=1, reason="abort"))  # cut by a push after 2 tokens
+    r.absorb(answer(5, [10, 1], "2", expert=2, reason="stop"))  # continued: prompt + 2 tokens again
+    routes = decode_routes(r.routes_text(), LAYERS, TOP_K)
+    assert routes.shape[0] == 3 + 4 - 1 and r.spans == [[0, "1"], [2, "2"]]
+    assert (routes[:4] == 1).all() and (routes[4:] == 2).all()  # position 4 (token 9) predicted token 10
+    with pytest.raises(RuntimeError, match="sglang-router drops return_routed_experts"):
+        PartialResponse(Prompt(0, "", "", [5]), 0, 1, 2, want_routes=True).absorb(
+            {"output_ids": [3], "meta_info": {"output_token_logprobs": [[-1.0, 3, None]]}})
+    assert PartialResponse(Prompt(0, "", "", [5]), 0, 1, 2).routes_text() is None
