@@ -49,6 +49,10 @@ def check_routing_replay(recipe: Recipe) -> None:
     if moe and recipe.train.lora is not None:
         raise UserError(f"train.lora with the MoE model `{recipe.model.path}` is not supported yet (MoE rollouts "
                         "ask engines directly for their routes and do not name an adapter); remove train.lora")
+    if recipe.algo.routing_replay and recipe.train.backend != "torch":
+        raise UserError(f"algo.routing_replay: true is implemented for train.backend torch only, not "
+                        f"{recipe.train.backend} yet (it would train without replaying); set train.backend=torch "
+                        "or algo.routing_replay=false")
     if recipe.algo.routing_replay and moe is False:
         raise UserError(f"algo.routing_replay: true needs a mixture-of-experts model, and model.path "
                         f"`{recipe.model.path}` is dense (its config has no {'/'.join(EXPERT_KEYS)}); set "

@@ -174,6 +174,9 @@ def test_routing_replay_on_a_dense_model_is_refused() -> None:
         check_routing_replay(Recipe.model_validate({"algo": {"routing_replay": True}}))
     check_routing_replay(Recipe.model_validate({"algo": {"routing_replay": True},
                                                 "model": {"path": "builtin:tiny-arith-moe"}}))
+    with pytest.raises(UserError, match="train.backend torch only.*set train.backend=torch"):
+        check_routing_replay(Recipe.model_validate({"algo": {"routing_replay": True}, "train": {"backend": "megatron"},
+                                                    "model": {"path": "builtin:tiny-arith-moe"}}))
 
 
 def test_a_saved_moe_checkpoint_loads_into_the_live_layout(model, tmp_path) -> None:
