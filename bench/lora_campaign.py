@@ -35,15 +35,19 @@ import fault_campaign as cp  # noqa: E402  (the campaign runner the fault tests 
 cp.RECIPE = "recipes/tiny-arith-lora.yaml"
 
 
-def run_killed(campaign: Path, cache: Path, overrides: list[str], log: Path, after_step: int,
-               delay_s: float) -> int:
-    """Start a run, SIGKILL its session `delay_s` after step `after_step` is recorded; the steps then."""
-    proc = cp.start(campaign, cache, overrides, log)
+def _wait_for_step(proc, campaign: Path, after_step: int, log: Path) -> None:
     deadline = time.monotonic() + 1200
     while cp.steps_recorded(campaign) < after_step:
         if proc.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"run ended or stalled before step {after_step}; see {log}")
         time.sleep(0.05)
+
+
+def run_killed(campaign: Path, cache: Path, overrides: list[str], log: Path, after_step: int,
+               delay_s: float) -> int:
+    """Start a run, SIGKILL its session `delay_s` after step `after_step` is recorded; the steps then."""
+    proc = cp.start(campaign, cache, overrides, log)
+    _wait_for_step(proc, campaign, after_step, log)
     time.sleep(delay_s)
     proc.send_signal(signal.SIGKILL)  # `milepost run` itself, as test_kill_resume does
     proc.wait(30)
@@ -53,11 +57,7 @@ def run_killed(campaign: Path, cache: Path, overrides: list[str], log: Path, aft
 def run_engine_killed(work: Path, cache: Path, overrides: list[str], log: Path, after_step: int) -> dict:
     campaign = work / "engine-killed"
     proc = cp.start(campaign, cache, overrides, log)
-    deadline = time.monotonic() + 1200
-    while cp.steps_recorded(campaign) < after_step:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"run ended or stalled before step {after_step}; see {log}")
-        time.sleep(0.05)
+    _wait_for_step(proc, campaign, after_step, log)
     pid = cp.fleet_doc(campaign)["engines"][0]["pid"]  # an engine this run started
     os.kill(pid, signal.SIGKILL)
     assert proc.wait(1800) == 0, log
