@@ -32,6 +32,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from milepost.core.engine.http_guard import DEFAULT_MAX_BODY_MB, guard, read_key_file
 from milepost.core.engine.checkpoint_layout import live_layout
+from milepost.core.engine.fast_path import (
+    DECODE_PATHS,
+    ContinuousDriver,
+    build_generator,
+    fast_path_problem,
+    model_dtype,
+    serving_device,
+)
 from milepost.core.engine.routing_capture import check_start_len, response_routes
 from milepost.core.engine.generation import Generator, SamplingParams, Sequence, make_sequences
 from milepost.core.engine.lora_adapter import EngineLora, add_lora_routes, requested_adapters, take_batch
@@ -107,9 +115,17 @@ class Scheduler:
         self.memory = MemoryOccupation(self)
         self.lora = EngineLora()  # serve() enables it with --enable-lora
         self.routed_experts = False  # --enable-return-routed-experts: routes captured (routing_capture.py)
+        # device and fast path (fast_path.py); serve() sets them from the flags
+        self.device, self.dtype, self.decode_path = "auto", "auto", "auto"
+        self.context_length: int | None = None
+        self.mem_fraction_static: float | None = None
+        self.disable_cuda_graph = False
+        self.driver: ContinuousDriver | None = None
 
     def load(self) -> None:
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).eval()
+        device = serving_device(self.device)
+        dtype = model_dtype(self.dtype, device, self.model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype).to(device).eval()
         self.tokenizer = _load_tokenizer(self.model_path)
         cfg = self.model.config
         gen_cfg = getattr(self.model, "generation_config", None)
@@ -117,8 +133,13 @@ class Scheduler:
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         decode = self.tokenizer.decode if self.tokenizer else None
         self.vocab_size = cfg.vocab_size
-        self.context_len = getattr(cfg, "max_position_embeddings", None)
+        self.context_len = self.context_length or getattr(cfg, "max_position_embeddings", None)
         self.generator = Generator(self.model, eos, cfg.pad_token_id or 0, decode, batch_invariant=self.deterministic)
+        slow_reason = fast_path_problem(self, self.model)
+        if slow_reason is None:
+            fast = build_generator(self, self.model, eos, decode)
+            self.context_len, self.driver = fast.max_len, ContinuousDriver(self, fast)
+        log.info("engine on %s, %s, %s", device, dtype, "fast path" if self.driver else f"HF path ({slow_reason})")
         if self.routed_experts:
             self.generator.route_tap = RouterTap.install(self.model)
             if self.generator.route_tap is None:
@@ -139,6 +160,8 @@ class Scheduler:
         await asyncio.gather(*futs)
 
     def _loop(self) -> None:
+        if self.driver is not None:
+            return self.driver.loop()
         while True:
             with self._cv:
                 while not self._queue or self._paused or self._updating:
@@ -244,6 +267,11 @@ class Scheduler:
     def num_running(self) -> int:
         with self._cv:
             return len(self._running)
+
+    def device_type(self) -> str:
+        """"cuda" or "cpu": where the weights live (before the load: where they will)."""
+        model = getattr(self, "model", None)
+        return next(model.parameters()).device.type if model is not None else serving_device(self.device).type
 
     def num_tokens(self) -> int:
         with self._cv:
@@ -597,7 +625,8 @@ def create_app(sched: Scheduler) -> FastAPI:
     @app.get("/get_server_info")
     async def server_info() -> Any:
         return {"model_path": sched.model_path, "served_model_name": sched.model_path, "dp_size": 1,
-                "tp_size": 1, "device": "cpu",  # the weight-update group: gloo (groups.choose_backend)
+                "tp_size": 1, "device": sched.device_type(),  # the weight-update group: gloo on cpu (groups.py)
+                "decode_path": "fast" if sched.driver else "hf", "context_length": sched.context_len,
                 "weight_version": sched.weight_version, "max_batch_size": sched.max_batch_size,
                 "enable_deterministic_inference": sched.deterministic,
                 "enable_return_routed_experts": sched.routed_experts,
@@ -618,13 +647,20 @@ def create_app(sched: Scheduler) -> FastAPI:
 def serve(model_path: str, host: str, port: int, weight_version: str = "0", max_batch_size: int = 512,
           weight_update_timeout_s: float = 300.0, admin_api_key: str | None = None,
           max_body_mb: float = DEFAULT_MAX_BODY_MB, deterministic: bool = False,
-          lora: EngineLora | None = None, routed_experts: bool = False) -> None:
+          lora: EngineLora | None = None, routed_experts: bool = False,
+          device_options: dict[str, Any] | None = None) -> None:
     """Bind at once (health answers 503), load the model in the background, serve forever.
     `admin_api_key`: admin endpoints need it (http_guard.py); None leaves them open.
-    `deterministic`: outputs that do not depend on the batch (generation.Generator)."""
+    `deterministic`: outputs that do not depend on the batch (generation.Generator).
+    `device_options`: Scheduler attributes of the device and the fast path (fast_path.py):
+    device, dtype, decode_path, context_length, mem_fraction_static, disable_cuda_graph."""
     sched = Scheduler(model_path, weight_version, max_batch_size, weight_update_timeout_s, deterministic)
     sched.lora = lora or sched.lora
     sched.routed_experts = routed_experts
+    for key, value in (device_options or {}).items():
+        if not hasattr(sched, key):
+            raise ValueError(f"unknown device option {key!r}")
+        setattr(sched, key, value)
     threading.Thread(target=load_engine, args=(sched,), daemon=True, name="engine-load").start()
     app = guard(create_app(sched), admin_api_key, int(max_body_mb * 2**20))
     uvicorn.run(app, host=host, port=port, log_level="warning")
@@ -640,7 +676,7 @@ def admin_key_from_args(key: str | None, key_file: str | None) -> str | None:
 # SGLang launch flags the built-in engine cannot honour, with their only accepted value (the
 # launcher renders SGLang's flags for both engines: core/engine/launcher.py).
 REFUSED_FLAGS = {"tp_size": 1, "dp_size": 1, "ep_size": 1, "nnodes": 1, "node_rank": 0, "base_gpu_id": 0,
-                 "dist_init_addr": None, "mem_fraction_static": None, "nccl_port": None}
+                 "dist_init_addr": None, "nccl_port": None}
 LOAD_FAILED_EXIT = 3  # exit status of an engine whose model failed to load
 
 
@@ -674,8 +710,20 @@ def build_parser() -> argparse.ArgumentParser:
     # SGLang's flags accepted only at their neutral value (REFUSED_FLAGS).
     for flag, kind in (("--tp-size", int), ("--dp-size", int), ("--ep-size", int), ("--nnodes", int),
                        ("--node-rank", int), ("--base-gpu-id", int), ("--dist-init-addr", str),
-                       ("--mem-fraction-static", float), ("--nccl-port", int)):
+                       ("--nccl-port", int)):
         ap.add_argument(flag, type=kind, default=REFUSED_FLAGS[flag[2:].replace("-", "_")], help=argparse.SUPPRESS)
+    # Device and fast path (fast_path.py); SGLang's names where SGLang has the flag.
+    ap.add_argument("--device", default="auto", help="auto (cuda when visible) | cpu | cuda | cuda:N")
+    ap.add_argument("--dtype", default="auto", help="SGLang's flag: auto | half | float16 | bfloat16 | float | "
+                                                    "float32 (auto: float32 on CPU, 16-bit on CUDA)")
+    ap.add_argument("--decode-path", default="auto", choices=DECODE_PATHS,
+                    help="auto: the static-cache fast path on CUDA, the HF path on CPU; static: the fast path "
+                         "anywhere; hf: the HF path")
+    ap.add_argument("--context-length", type=int, default=None,
+                    help="SGLang's flag: longest prompt + output (sizes the fast path's KV cache)")
+    ap.add_argument("--mem-fraction-static", type=float, default=None,
+                    help="SGLang's flag: share of GPU memory for weights + KV cache (fast path, CUDA)")
+    ap.add_argument("--disable-cuda-graph", action="store_true", help="SGLang's flag: decode without CUDA graphs")
     ap.add_argument("--enable-return-routed-experts", action="store_true",
                     help="SGLang's flag: /generate answers `return_routed_experts` (MoE models only)")
     ap.add_argument("--enable-lora", action="store_true", help="SGLang's flag: /load_lora_adapter and lora_path")
@@ -747,7 +795,9 @@ def main(argv: list[str] | None = None) -> None:
     serve(a.model_path, a.host, a.port, a.weight_version, a.max_batch_size, a.weight_update_timeout_s,
           admin_key_from_args(a.admin_api_key, a.admin_api_key_file), a.max_request_body_mb,
           a.enable_deterministic_inference, EngineLora(a.enable_lora, a.max_lora_rank, a.lora_target_modules),
-          a.enable_return_routed_experts)
+          a.enable_return_routed_experts,
+          {"device": a.device, "dtype": a.dtype, "decode_path": a.decode_path, "context_length": a.context_length,
+           "mem_fraction_static": a.mem_fraction_static, "disable_cuda_graph": a.disable_cuda_graph})
 
 
 if __name__ == "__main__":

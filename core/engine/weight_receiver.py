@@ -81,6 +81,7 @@ class WeightReceiver:
         self._files = ShmFiles()
         self.groups = GroupReceiver(self)  # the distributed transport's side
         self.unloaded: set[str] = set()  # canonical names allocated by a memory resume, not yet loaded
+        self.epoch = 0  # bumped whenever a live tensor's storage is replaced (fast_path.ContinuousDriver)
 
     # ---- session ----
     def in_session(self) -> bool:
@@ -154,6 +155,15 @@ class WeightReceiver:
     def _swap_in(self, canonical: str, tensor: torch.Tensor, lease: Lease | None) -> None:
         """Point the live tensor at `tensor` (caller holds model_lock and _update_lock)."""
         live = self._target_map()[canonical][1]
+        if live.is_cuda and lease is None and live.numel() and live.shape == tensor.shape:
+            # Copied in, not swapped: CUDA graphs captured over the live tensor stay valid
+            # (static_model.py); the staged tensor stays the next shadow.
+            live.data.copy_(tensor)
+            self.unloaded.discard(canonical)
+            if tensor.device == live.device and tensor.dtype == live.dtype:
+                self._shadows[canonical] = tensor
+            return
+        self.epoch += 1  # the live tensor moves: whoever holds its address must look again
         old, old_lease = live.data, self._live_leases.pop(canonical, None)
         live.data = tensor
         self.unloaded.discard(canonical)
@@ -214,11 +224,12 @@ class WeightReceiver:
             for name, (canonical, live) in self._target_map().items():
                 if name == canonical:
                     shapes[canonical] = (live.shape, live.dtype)
-                    live.data = torch.empty(0, dtype=live.dtype)
+                    live.data = torch.empty(0, dtype=live.dtype, device=live.device)
                     lease = self._live_leases.pop(canonical, None)
                     if lease is not None:
                         lease.release()
             self._shadows.clear()
+            self.epoch += 1
             return shapes
 
     def allocate_weights(self, shapes: dict[str, tuple[torch.Size, torch.dtype]]) -> None:
@@ -227,8 +238,10 @@ class WeightReceiver:
         with self._update_lock, self.sched.model_lock:
             targets = self._target_map()
             for canonical, (shape, dtype) in shapes.items():
-                targets[canonical][1].data = torch.empty(shape, dtype=dtype)
+                live = targets[canonical][1]
+                live.data = torch.empty(shape, dtype=dtype, device=live.device)
             self.unloaded = set(shapes)
+            self.epoch += 1
 
     def run_update(self, work: Any, flush_cache: bool, version: Any) -> Reply:
         """Run one update call `work()` inside the open session; any failure poisons it."""
@@ -331,7 +344,9 @@ class WeightReceiver:
         if flat is None:
             for _, canonical, _ in named:  # free the old shadows first: no third copy of the weights
                 self._shadows.pop(canonical, None)
-            flat, pos = torch.empty(sum(live.numel() for _, _, live in named), dtype=named[0][2].dtype), 0
+            flat = torch.empty(sum(live.numel() for _, _, live in named), dtype=named[0][2].dtype,
+                               device=named[0][2].device)
+            pos = 0
             for _, canonical, live in named:
                 self._shadows[canonical] = flat[pos:pos + live.numel()].view(live.shape)
                 pos += live.numel()

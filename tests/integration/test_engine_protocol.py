@@ -21,9 +21,11 @@ def models(tmp_path_factory) -> tuple[str, str]:
     return save_tiny_qwen2(root / "v0", 0), save_tiny_qwen2(root / "v1", 1)
 
 
-@pytest.fixture(scope="module")
-def engine(models, tmp_path_factory):
-    started = start_engines(models[0], tmp_path_factory.mktemp("logs"))
+@pytest.fixture(scope="module", params=["hf", "static"])
+def engine(models, tmp_path_factory, request):
+    """Both decode paths of the built-in engine (fast_path.py) answer the same protocol; the
+    static one runs here on CPU without CUDA graphs (tests/gpu runs it with them)."""
+    started = start_engines(models[0], tmp_path_factory.mktemp("logs"), 1, "--decode-path", request.param)
     yield started[0][1]
     stop_engines(started)
 

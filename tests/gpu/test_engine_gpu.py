@@ -1,0 +1,99 @@
+"""The built-in engine's fast path on a GPU: CUDA graphs give the numbers of the same code
+run eagerly; a real engine process serves through it, sees weight updates, and gives its
+memory back on /release_memory_occupation so another process (the trainer) can use it.
+
+Run through the device tool: `python -m pytest -q -m gpu tests/gpu/test_engine_gpu.py`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+GREEDY = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+PROMPTS = [[3, 4, 5], [7, 8, 9, 10, 11], [12], [5, 6, 7, 8, 9, 10, 11, 12, 13]]
+
+
+def _config():
+    from transformers import Qwen2Config
+    return Qwen2Config(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                       num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096,
+                       tie_word_embeddings=False, eos_token_id=1, pad_token_id=0)
+
+
+def _model(seed: int) -> torch.nn.Module:
+    from transformers import Qwen2ForCausalLM
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(_config()).to(torch.bfloat16).cuda().eval()
+
+
+def test_graph_replay_equals_eager_decoding() -> None:
+    from milepost.core.engine.continuous import ContinuousGenerator
+    from milepost.core.engine.generation import SamplingParams, Sequence
+    model = _model(0)
+    outs = []
+    for graphs in (False, True):
+        gen = ContinuousGenerator(model, [1], num_slots=16, max_len=512, use_graphs=graphs)
+        seqs = [Sequence(list(p), SamplingParams(max_new_tokens=40, temperature=1.0, ignore_eos=True), seed=i)
+                for i, p in enumerate(PROMPTS * 3)]
+        queue = list(seqs)
+        assert gen.run(lambda free: [queue.pop(0) for _ in range(min(free, len(queue)))], lambda s: None)
+        outs.append([(s.output_ids, s.output_logprobs) for s in seqs])
+        assert gen.decoder.use_graphs == graphs and (not graphs or gen.decoder._graphs)
+    assert outs[0] == outs[1]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from tinymodels import start_engines, stop_engines
+    root = tmp_path_factory.mktemp("gpu-engine")
+    for version in (0, 1):
+        _model(version).save_pretrained(root / f"v{version}")
+    torch.cuda.init()
+    free_before = torch.cuda.mem_get_info()[0]
+    started = start_engines(str(root / "v0"), root, 1, "--device", "cuda", "--dtype", "bfloat16",
+                            "--mem-fraction-static", "0.5", "--context-length", "1024",
+                            "--max-running-requests", "128", startup_timeout_s=300)
+    yield root, started[0][1], free_before
+    stop_engines(started)
+
+
+def test_engine_serves_by_the_fast_path_and_sees_weight_updates(served) -> None:
+    root, client, _ = served
+    info = client.server_info()
+    assert info["device"] == "cuda" and info["decode_path"] == "fast"
+    first = [o["output_ids"] for o in client.generate(PROMPTS, GREEDY)]
+    client.update_weights_from_disk(str(root / "v1"), weight_version="1")
+    other = [o["output_ids"] for o in client.generate(PROMPTS, GREEDY)]
+    assert other != first  # the captured graphs read the new weights
+    client.update_weights_from_disk(str(root / "v0"), weight_version="2")
+    assert [o["output_ids"] for o in client.generate(PROMPTS, GREEDY)] == first
+
+
+def test_release_gives_the_memory_back_for_the_trainer(served, capsys) -> None:
+    root, client, free_before = served
+    first = [o["output_ids"] for o in client.generate(PROMPTS, GREEDY)]
+    held = free_before - torch.cuda.mem_get_info()[0]
+    message = client.release_memory_occupation()
+    still = free_before - torch.cuda.mem_get_info()[0]
+    total = torch.cuda.get_device_properties(0).total_memory
+    with capsys.disabled():
+        print(f"\nengine held {held / 2**30:.2f} GiB; after release {still / 2**30:.2f} GiB "
+              f"({still / held:.3f} of it); engine says: {message}")
+    assert still < 0.10 * held
+    grab = torch.empty(int(free_before * 0.9), dtype=torch.uint8, device="cuda")  # the trainer's turn
+    grab.fill_(1)
+    torch.cuda.synchronize()
+    assert held + grab.numel() > 0.5 * total  # it did not fit beside the engine's share
+    del grab
+    torch.cuda.empty_cache()
+    client.resume_memory_occupation()
+    client.update_weights_from_disk(str(root / "v0"), weight_version="3")
+    assert [o["output_ids"] for o in client.generate(PROMPTS, GREEDY)] == first
