@@ -1,0 +1,90 @@
+"""Block-wise FP8 (e4m3) weight quantisation, the format of DeepSeek-V3 checkpoints and of
+SGLang's `fp8` block quantisation: pure tensor functions (no GPU kernels; the scaled-matmul
+path that serves and trains with it is GPU work still to come, issue 21).
+
+Format, per 2-D weight `w: [out, in]` named `X.weight`:
+- `X.weight`: float8_e4m3fn [out, in];
+- `X.weight_scale_inv`: float32 [ceil(out / 128), ceil(in / 128)], one per 128 x 128 block
+  (a ragged edge block is smaller: zero-padded for its max, cut back after);
+- the weight meant is `X.weight.float() * X.weight_scale_inv` broadcast over each block
+  (SGLang `block_quant_dequant`, transformers `_dequantize_fp8_weight`): despite its name
+  the stored scale is the dequantisation factor, `max |block| / 448`;
+- config.json: `quantization_config = {"quant_method": "fp8", "fmt": "e4m3",
+  "activation_scheme": "dynamic", "weight_block_size": [128, 128]}` (QUANTIZATION_CONFIG).
+
+Arithmetic (transformers' FineGrainedFP8 quantiser, so its output matches bit for bit on
+block-aligned shapes): `mult = 448 / amax` (1 for an all-zero block), `q = clamp(w * mult,
+-448, 448)` cast to e4m3 (round to nearest even), `weight_scale_inv = 1 / mult`, all float32.
+Error: |dequantised - w| <= |w| * 2**-4 + weight_scale_inv * 2**-10 per element (3 mantissa
+bits; e4m3's smallest subnormal is 2**-9), plus float32 rounding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+BLOCK = 128
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+SCALE_SUFFIX = "_scale_inv"
+QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                       "weight_block_size": [BLOCK, BLOCK]}
+
+
+def scale_shape(out_features: int, in_features: int) -> tuple[int, int]:
+    """Shape of `weight_scale_inv` for a weight [out, in]: [ceil(out / 128), ceil(in / 128)]."""
+    return math.ceil(out_features / BLOCK), math.ceil(in_features / BLOCK)
+
+
+def _blocks(x: Tensor) -> Tensor:
+    """x: [out, in] -> [out_blocks, 128, in_blocks, 128], zero-padded."""
+    out, cols = x.shape
+    rb, cb = scale_shape(out, cols)
+    x = torch.nn.functional.pad(x, (0, cb * BLOCK - cols, 0, rb * BLOCK - out))
+    return x.view(rb, BLOCK, cb, BLOCK)
+
+
+def quantize_fp8_blockwise(w: Tensor) -> tuple[Tensor, Tensor]:
+    """w: [out, in] (any float dtype) -> (float8_e4m3fn [out, in], weight_scale_inv float32
+    [ceil(out / 128), ceil(in / 128)])."""
+    if w.dim() != 2:
+        raise ValueError(f"block-wise fp8 takes a 2-D Linear weight, got shape {list(w.shape)}")
+    blocks = _blocks(w.detach().float())
+    amax = blocks.abs().amax(dim=(1, 3))
+    nonzero = amax > 0
+    mult = torch.where(nonzero, FP8_MAX / torch.where(nonzero, amax, 1.0), 1.0)
+    scaled = (blocks * mult[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
+    q = scaled.view(blocks.shape[0] * BLOCK, -1)[:w.shape[0], :w.shape[1]].to(FP8_DTYPE)
+    return q.contiguous(), (1.0 / mult).to(torch.float32)
+
+
+def dequantize_fp8_blockwise(q: Tensor, scale_inv: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """q: float8_e4m3fn [out, in], scale_inv: float32 [ceil(out/128), ceil(in/128)] -> [out, in] in `dtype`."""
+    out, cols = q.shape
+    if tuple(scale_inv.shape) != scale_shape(out, cols):
+        raise ValueError(f"weight_scale_inv of a [{out}, {cols}] weight has shape {list(scale_shape(out, cols))}, "
+                         f"got {list(scale_inv.shape)}")
+    blocks = _blocks(q.float()) * scale_inv.float()[:, None, :, None]
+    return blocks.view(scale_inv.shape[0] * BLOCK, -1)[:out, :cols].to(dtype)
+
+
+def scale_name(weight_name: str) -> str:
+    """`X.weight` -> `X.weight_scale_inv` (the checkpoint name SGLang and transformers read)."""
+    if not weight_name.endswith(".weight"):
+        raise ValueError(f"{weight_name!r} is not a `.weight` tensor")
+    return weight_name + SCALE_SUFFIX
+
+
+def quantize_state_fp8(state: dict[str, Tensor], names: set[str]) -> dict[str, Tensor]:
+    """`state` with each weight in `names` (2-D `X.weight`) replaced by its e4m3 values and
+    `X.weight_scale_inv` added; every other tensor unchanged (norms, embeddings, the head)."""
+    out: dict[str, Tensor] = {}
+    for name, t in state.items():
+        if name in names:
+            out[name], out[scale_name(name)] = quantize_fp8_blockwise(t)
+        else:
+            out[name] = t
+    return out
