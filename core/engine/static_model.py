@@ -9,11 +9,15 @@ and attention plumbing:
 - Prefill: a group of new sequences, right-padded to the longest, causal attention; their
   keys and values land in their slots at positions 0..len-1 (a padded tail is garbage
   that later decode steps overwrite before any query can see it).
+- Fused projections: each layer's q/k/v weights (and gate/up) become views of one buffer
+  (`fuse_weights`), so one GEMM computes them; a weight update copied into a view lands in
+  the buffer, and nothing is held twice.
 - Decode: one token per row at fixed shapes (batch bucket × length bucket). Grouped
   queries attend as [rows, kv_heads, group, dim], so keys are never repeated per head.
   On CUDA each shape is captured once as a CUDA graph and replayed: a step's ~25 kernels
   per layer launch as one. Graphs hold the addresses of the weights and the cache, so
-  anything that moves them (a weight swap, a memory release) must call `drop_graphs`.
+  anything that moves them (a weight swap, a memory release) must call `drop_graphs`,
+  which also forgets the fused buffers (they are rebuilt at the next forward).
 
 Dense Qwen2 / Qwen3 / Llama / Mistral layouts with plain rotary embeddings; anything
 else is refused by `unsupported_reason` and served by the HF path (generation.py).
@@ -73,6 +77,7 @@ class StaticDecoder:
         self.cache: torch.Tensor | None = None
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
+        self._fused: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] | None = None
         with torch.inference_mode():
             positions = torch.arange(max_len, device=self.device).unsqueeze(0)
             cos, sin = model.model.rotary_emb(weight[:1].unsqueeze(0), positions)
@@ -99,6 +104,22 @@ class StaticDecoder:
     def drop_graphs(self) -> None:
         self._graphs.clear()
         self._pool = None
+        self._fused = None
+
+    def fuse_weights(self) -> None:
+        """Make each layer's q/k/v weights (and biases) and gate/up weights views of one
+        buffer each (a no-op when they already are)."""
+        fused = []
+        for layer in self.layers:
+            a, m = layer.self_attn, layer.mlp
+            bias = None if a.q_proj.bias is None else _fuse([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+            fused.append((_fuse([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), bias,
+                          _fuse([m.gate_proj.weight, m.up_proj.weight])))
+        self._fused = fused
+
+    def _ready_weights(self) -> None:
+        if self._fused is None:
+            self.fuse_weights()
 
     def move_rows(self, src: list[int], dst: list[int]) -> None:
         """Copy the cache rows `src` into `dst` (compaction when sequences leave)."""
@@ -109,25 +130,30 @@ class StaticDecoder:
             self.in_pos[d] = self.in_pos[s]
 
     # ---- forward ----
-    def _qkv(self, layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    def _qkv(self, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, hidden] → q [B, heads, T, dim], k and v [B, kv_heads, T, dim], rotated."""
-        a = layer.self_attn
+        a, (weight, bias, _) = self.layers[index].self_attn, self._fused[index]
         shape = (*x.shape[:2], -1, self.head_dim)
-        q, k, v = a.q_proj(x).view(shape), a.k_proj(x).view(shape), a.v_proj(x).view(shape)
+        kv = self.kv_heads * self.head_dim
+        q, k, v = F.linear(x, weight, bias).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
+        q, k, v = q.reshape(shape), k.reshape(shape), v.reshape(shape)
         if hasattr(a, "q_norm"):  # Qwen3 normalises each head before the rotation
-            q, k = a.q_norm(q), a.k_norm(k)
+            q, k = _rms_norm(a.q_norm, q), _rms_norm(a.k_norm, k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
-    def _finish_layer(self, layer: torch.nn.Module, residual: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    def _finish_layer(self, index: int, residual: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        layer, gate_up = self.layers[index], self._fused[index][2]
         x = residual + layer.self_attn.o_proj(attn)
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        gate, up = F.linear(_rms_norm(layer.post_attention_layernorm, x), gate_up).chunk(2, dim=-1)
+        return x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
 
     def prefill(self, prompts: list[list[int]], first_row: int, all_logits: bool) -> torch.Tensor:
         """Run prompts into slots first_row.. ; returns logits [B, V] at each prompt's last
         token, or [B, T, V] at every position when `all_logits` (prompt scoring)."""
+        self._ready_weights()
         lens = torch.tensor([len(p) for p in prompts], device=self.device)
         width = max(len(p) for p in prompts)
         ids = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -137,13 +163,13 @@ class StaticDecoder:
         x = self.model.model.embed_tokens(ids.to(self.device))
         cos, sin = self.cos[:width].unsqueeze(0), self.sin[:width].unsqueeze(0)
         for index, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, layer.input_layernorm(x), cos, sin)
+            q, k, v = self._qkv(index, _rms_norm(layer.input_layernorm, x), cos, sin)
             self.cache[index, 0, rows, :, :width] = k
             self.cache[index, 1, rows, :, :width] = v
             k, v = (t.repeat_interleave(self.group, dim=1) for t in (k, v))
             attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = self._finish_layer(layer, x, attn.transpose(1, 2).reshape(*x.shape[:2], -1))
-        x = self.model.model.norm(x)
+            x = self._finish_layer(index, x, attn.transpose(1, 2).reshape(*x.shape[:2], -1))
+        x = _rms_norm(self.model.model.norm, x)
         if all_logits:
             return self.model.lm_head(x).float()
         last = x[torch.arange(len(prompts), device=self.device), lens - 1]
@@ -156,20 +182,21 @@ class StaticDecoder:
         cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)
         mask = (self._key_pos[:length].unsqueeze(0) <= pos.unsqueeze(1)).view(batch, 1, 1, length)
         for index, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, layer.input_layernorm(x), cos, sin)
+            q, k, v = self._qkv(index, _rms_norm(layer.input_layernorm, x), cos, sin)
             self.cache[index, 0, rows, :, pos] = k[:, :, 0]
             self.cache[index, 1, rows, :, pos] = v[:, :, 0]
             keys = self.cache[index, 0, :batch, :, :length]
             values = self.cache[index, 1, :batch, :, :length]
             q = q.reshape(batch, self.kv_heads, self.group, self.head_dim)
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-            x = self._finish_layer(layer, x, attn.reshape(batch, 1, -1))
-        return self.model.lm_head(self.model.model.norm(x)[:, 0]).float()
+            x = self._finish_layer(index, x, attn.reshape(batch, 1, -1))
+        return self.model.lm_head(_rms_norm(self.model.model.norm, x)[:, 0]).float()
 
     def decode(self, live: int, max_pos: int, fixed: bool = False) -> torch.Tensor:
         """Logits [live, V] of one decode step for rows 0..live-1 (inputs in in_tokens /
         in_pos); `max_pos` is the largest position among them. `fixed`: always the largest
         batch and the whole cache length, so no row's numbers depend on the others."""
+        self._ready_weights()
         batch = self.num_slots if fixed else next(b for b in self.buckets if b >= live)
         length = self.max_len if fixed else min(self.max_len, (max_pos // LENGTH_BUCKET + 1) * LENGTH_BUCKET)
         if batch > live:  # padded rows compute garbage into free slots' position 0
@@ -193,6 +220,36 @@ class StaticDecoder:
             out = self._decode(batch, length)
         self._graphs[(batch, length)] = (graph, out)
         return graph, out
+
+
+def _fuse(params: list[torch.Tensor]) -> torch.Tensor:
+    """One buffer holding `params` back to back along dim 0, each param now a view of it
+    (returned as is when they already are)."""
+    first = params[0].data
+    rows, size = sum(p.shape[0] for p in params), first.element_size()
+    row_bytes = first[0].numel() * size
+    if all(p.data.is_contiguous() and p.data.data_ptr() == first.data_ptr() + at * row_bytes
+           for p, at in zip(params, _row_offsets(params))) and \
+            first.untyped_storage().nbytes() >= first.storage_offset() * size + rows * row_bytes:
+        return first.as_strided((rows, *first.shape[1:]), first.stride())
+    buf = torch.cat([p.data for p in params])
+    for p, piece in zip(params, buf.split([p.shape[0] for p in params])):
+        p.data = piece
+    return buf
+
+
+def _row_offsets(params: list[torch.Tensor]) -> list[int]:
+    offsets, at = [], 0
+    for p in params:
+        offsets.append(at)
+        at += p.shape[0]
+    return offsets
+
+
+def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The model's RMSNorm as torch's one fused op (HF's takes ~7 kernels), its weight and eps.
+    It rounds once where HF rounds twice (the normalised input, then the product)."""
+    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

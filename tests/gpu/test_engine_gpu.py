@@ -60,7 +60,7 @@ def served(tmp_path_factory):
     free_before = torch.cuda.mem_get_info()[0]
     started = start_engines(str(root / "v0"), root, 1, "--device", "cuda", "--dtype", "bfloat16",
                             "--mem-fraction-static", "0.5", "--context-length", "1024",
-                            "--max-running-requests", "128", startup_timeout_s=300)
+                            "--max-running-requests", "4096", startup_timeout_s=300)
     yield root, started[0][1], free_before
     stop_engines(started)
 
@@ -70,6 +70,7 @@ def test_engine_serves_by_the_fast_path_and_sees_weight_updates(served) -> None:
     info = client.server_info()
     assert info["device"] == "cuda" and info["decode_path"] == "fast"
     first = [o["output_ids"] for o in client.generate(PROMPTS, GREEDY)]
+    assert all(len(ids) == GREEDY["max_new_tokens"] for ids in first)
     client.update_weights_from_disk(str(root / "v1"), weight_version="1")
     other = [o["output_ids"] for o in client.generate(PROMPTS, GREEDY)]
     assert other != first  # the captured graphs read the new weights
@@ -80,6 +81,7 @@ def test_engine_serves_by_the_fast_path_and_sees_weight_updates(served) -> None:
 def test_release_gives_the_memory_back_for_the_trainer(served, capsys) -> None:
     root, client, free_before = served
     first = [o["output_ids"] for o in client.generate(PROMPTS, GREEDY)]
+    assert all(len(ids) == GREEDY["max_new_tokens"] for ids in first)
     held = free_before - torch.cuda.mem_get_info()[0]
     message = client.release_memory_occupation()
     still = free_before - torch.cuda.mem_get_info()[0]

@@ -10,7 +10,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from milepost.core.engine.continuous import ContinuousGenerator
-from milepost.core.engine.device_sampling import RowParams, row_uniforms, sample
+from milepost.core.engine.device_sampling import RowParams, sample, uniforms
 from milepost.core.engine.generation import Generator, SamplingParams, Sequence
 from milepost.core.engine.static_model import StaticDecoder, batch_buckets, unsupported_reason
 
@@ -95,14 +95,17 @@ def test_a_sample_depends_on_its_own_seed_not_on_the_batch() -> None:
     assert len({tuple(s.output_ids) for s in alone}) == 4  # the seeds really differ
 
 
-def test_row_uniforms_are_uniform_and_independent_of_order() -> None:
-    seeds = torch.arange(20000, dtype=torch.long) * 7919 - 10**12
-    idx = torch.arange(20000, dtype=torch.long) % 17
-    u = row_uniforms(seeds, idx)
+def test_uniforms_are_uniform_and_depend_only_on_seed_index_and_entry() -> None:
+    seeds = (torch.arange(400, dtype=torch.long) * 7919 - 10**12).unsqueeze(-1)
+    idx = (torch.arange(400, dtype=torch.long) % 17).unsqueeze(-1)
+    vocab = torch.arange(50, dtype=torch.long).unsqueeze(0)
+    u = uniforms(seeds, idx, vocab)
+    assert u.shape == (400, 50) and u.dtype == torch.float32
     assert 0 < float(u.min()) and float(u.max()) < 1
     assert abs(float(u.mean()) - 0.5) < 0.01 and abs(float(u.var()) - 1 / 12) < 0.005
-    perm = torch.randperm(20000)
-    assert torch.equal(row_uniforms(seeds[perm], idx[perm]), u[perm])
+    perm = torch.randperm(400)
+    assert torch.equal(uniforms(seeds[perm], idx[perm], vocab), u[perm])
+    assert torch.equal(uniforms(seeds, idx, vocab[:, 10:20]), u[:, 10:20])
 
 
 def test_sampling_follows_the_distribution_and_truncation() -> None:
@@ -138,7 +141,8 @@ def test_stop_tokens_min_new_tokens_and_scoring_only() -> None:
     scored.logprob_start_len = 0
     out = _run(gen, [scored])[0]
     assert out.output_ids == [] and out.finish_reason == {"type": "length", "length": 0}
-    ref = torch.log_softmax(model(torch.tensor([[3, 4, 5, 6]])).logits[0], -1)
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([[3, 4, 5, 6]])).logits[0], -1)
     assert out.input_logprobs[0] is None
     assert out.input_logprobs[1:] == pytest.approx([float(ref[j, t]) for j, t in enumerate([4, 5, 6])], abs=1e-5)
 
