@@ -34,8 +34,7 @@ ENGINE_MODULES = {"builtin": "milepost.core.engine.server", "sglang": "sglang.la
 # What the built-in engine cannot honour: a value other than the neutral one is refused, by
 # `check_supported` here (before any launch) and by the server's own argument parser.
 BUILTIN_UNSUPPORTED = {"tp_size": 1, "dp_size": None, "ep_size": None, "nnodes": 1, "node_rank": 0,
-                       "dist_init_addr": None, "mem_fraction_static": None,
-                       "extra_args": ()}
+                       "dist_init_addr": None, "extra_args": ()}
 
 
 class Deferred(str):
