@@ -204,10 +204,11 @@ def megatron_worker(path: str, variant: dict[str, Any]) -> Any:
     from milepost.core.config import AlgoConfig, TrainConfig
     from milepost.core.train.megatron.worker import MegatronRankWorker
     precision = "bf16" if DEVICE == "cuda" else "fp32"  # megatron's bf16 optimizer needs CUDA
-    cfg = TrainConfig(backend="megatron", num_ranks=1, precision=precision, micro_batch_size=variant["mb"], lr=1e-6,
+    cfg = TrainConfig(backend="megatron", num_ranks=1, micro_batch_size=variant["mb"], lr=1e-6,
                       megatron={"pack_sequences": variant["pack"] > 0, "micro_batch_tokens": max(1, variant["pack"]),
                                 "fuse": variant["fuse"]})
-    w = MegatronRankWorker(0, 1, path, cfg, AlgoConfig(), temperature=1.0, seed=0, total_steps=None)
+    w = MegatronRankWorker(0, 1, path, cfg, AlgoConfig(), temperature=1.0, seed=0, total_steps=None,
+                           precision=precision)
     w.setup(w.free_port())
     return w
 
@@ -402,7 +403,7 @@ def round_trip(worker: Any, path: str, out: list[str], vocab: int) -> None:
             worker, export, samples))
     except Exception:
         traceback.print_exc()
-    gaps[f"megatron trainer ({worker.cfg.precision})"] = max_gap(engine, worker.logprobs(samples))
+    gaps[f"megatron trainer ({worker.precision})"] = max_gap(engine, worker.logprobs(samples))
     log(out, f"round trip: built-in engine (fp32, CPU) sampled {n_tok} tokens from the export; max |engine logprob - "
              f"X| over them: " + "; ".join(f"{k}: {v:.2e}" for k, v in gaps.items()))
 

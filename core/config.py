@@ -332,7 +332,6 @@ class TrainConfig(Section):
     backend: Literal["torch", "megatron"] = "torch"
     num_ranks: int = Field(2, ge=1, description="Trainer processes (one per GPU on GPU machines).")
     parallel: Literal["ddp"] = Field("ddp", description="Parallelism of the torch backend.")
-    precision: Literal["fp32", "bf16"] = Field("fp32", description="Parameter/compute precision (bf16: GPU).")
     lr: float = Field(1e-3, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1).")
@@ -343,6 +342,14 @@ class TrainConfig(Section):
     num_threads_per_rank: int = Field(1, ge=1)
     megatron: MegatronConfig = MegatronConfig()
     lora: LoraConfig | None = Field(None, description="A LoRA adapter instead of full fine-tuning; null: off.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _precision_moved(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "precision" in data:
+            raise ValueError(f"train.precision moved to precision.train (beside precision.rollout): write "
+                             f"`precision: {{train: {data['precision']}}}` at the top level of the recipe")
+        return data
 
     @field_validator("betas")
     @classmethod
@@ -361,6 +368,28 @@ class TrainConfig(Section):
                 f"context_parallel={m.tensor_parallel}*{m.pipeline_parallel}*{m.context_parallel}="
                 f"{model_parallel}; set num_ranks to a multiple of {model_parallel}")
         return self
+
+
+TrainPrecision = Literal["fp32", "bf16", "fp8", "int4_qat"]
+RolloutPrecision = Literal["fp32", "bf16", "fp8", "int4"]
+
+
+class PrecisionConfig(Section):
+    """Number formats of training and rollout. What each mode runs on, and the start-up
+    refusal of one the device cannot run: core/quant/modes.py. Where the two differ, the
+    trainer's and the engines' logprobs differ (train/engine_logprob_diff_mean) and TIS
+    (algo.tis_cap, on by default) corrects for it."""
+
+    train: TrainPrecision = Field(
+        "fp32", description="fp32; bf16 (torch backend: bf16 autocast over fp32 weights, on CPU too; megatron: "
+                            "bf16 parameters with fp32 master weights in its optimizer on GPU, autocast on CPU); "
+                            "int4_qat (torch backend: fp32 master weights, every Linear but the head "
+                            "fake-quantised to group-wise int4 in the forward, straight-through gradients); "
+                            "fp8 (not built yet: needs a CUDA device of compute capability >= 8.9).")
+    rollout: RolloutPrecision = Field(
+        "fp32", description="Engine weights: fp32, bf16 (--dtype float32 / bfloat16); int4 (built-in engine: "
+                            "the pushed fp32 weights quantised with precision.train int4_qat's function, "
+                            "stored as int4 + scales, dequantised for each matmul); fp8 (not built yet).")
 
 
 class SyncConfig(Section):
@@ -564,6 +593,7 @@ class Recipe(Section):
     algo: AlgoConfig = AlgoConfig()
     hooks: HooksConfig = HooksConfig()
     train: TrainConfig = TrainConfig()
+    precision: PrecisionConfig = PrecisionConfig()
     sync: SyncConfig = SyncConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     loop: LoopConfig = LoopConfig()
@@ -582,9 +612,25 @@ class Recipe(Section):
             raise ValueError(
                 f"train.lora sends only the adapter, as a PEFT folder through /load_lora_adapter; "
                 f"sync.transport={self.sync.transport} is for full weights: set sync.transport=disk")
+        self._check_precision_combination()
         if self.algo.advantage in ("grpo", "dr_grpo", "rloo") and self.rollout.num_samples_per_prompt < 2:
             raise ValueError(
                 f"rollout.num_samples_per_prompt must be >= 2 for advantage `{self.algo.advantage}` "
                 f"(group baselines need several samples); got {self.rollout.num_samples_per_prompt}"
             )
         return self
+
+    def _check_precision_combination(self) -> None:
+        """What no device runs yet (what a device cannot run: core/quant/modes.py)."""
+        p = self.precision
+        if p.train == "int4_qat" and self.train.backend != "torch":
+            raise ValueError(f"precision.train int4_qat is built for train.backend torch only, not "
+                             f"{self.train.backend} yet; set train.backend=torch or precision.train=bf16")
+        if self.train.lora is not None and (p.train == "int4_qat" or p.rollout == "int4"):
+            raise ValueError(f"precision.train {p.train} / precision.rollout {p.rollout} with train.lora is not "
+                             "supported yet (the adapter would sit on quantised base weights); remove train.lora "
+                             "or use fp32 / bf16")
+        if p.rollout == "int4" and self.rollout.engine != "builtin":
+            raise ValueError("precision.rollout int4 is served by the built-in engine only: SGLang serves int4 from a "
+                             "compressed-tensors checkpoint, which weight sync does not send yet; set "
+                             "rollout.engine=builtin or precision.rollout=bf16")

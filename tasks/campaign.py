@@ -22,6 +22,7 @@ from milepost.core.errors import UserError
 from milepost.core.extensions import resolve_extensions
 from milepost.core.model.loading import check_model_path, validation_tokenizer
 from milepost.core.model.moe import check_routing_replay
+from milepost.core.quant.modes import check_precision, local_device
 from milepost.core.recipe_io import RecipeError, dump_recipe, recipe_diff, same_recipe
 from milepost.core.store import CampaignStore
 
@@ -84,6 +85,7 @@ def validate_resources(recipe: Recipe) -> None:
     filters, hooks: loaded and checked against its signature)."""
     check_model_path(recipe.model)
     check_routing_replay(recipe)
+    check_precision(recipe, local_device if recipe.cluster.executor == "local" else None)
     _check_catalog(recipe)
     limit = functools.cache(lambda: _prompt_limit(recipe))  # loaded once, after the rows passed
     _check_dataset(recipe.data.train_path, "data.train_path", recipe, limit)

@@ -69,7 +69,7 @@ def _train(ctx: StageContext, fleet: Any, tokenizer: Any, start_path: str) -> di
     backend = create_backend(start_path, recipe.train, trainer_algo(recipe.algo),
                              temperature=recipe.rollout.temperature, seed=recipe.seed,
                              total_steps=recipe.campaign.num_blocks * recipe.campaign.steps_per_block,
-                             placement_group=fleet.placement_group)
+                             placement_group=fleet.placement_group, precision=recipe.precision.train)
     sinks = open_sinks(recipe, store)
     try:
         state = _restore(ctx, backend)

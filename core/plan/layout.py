@@ -103,7 +103,8 @@ def train_layout(recipe: Recipe) -> TrainLayout:
         backend="megatron", num_ranks=t.num_ranks, tp=m.tensor_parallel, pp=m.pipeline_parallel,
         vpp=m.virtual_pipeline, cp=m.context_parallel, ep=m.expert_parallel,
         etp=m.expert_tensor_parallel or m.tensor_parallel, sequence_parallel=m.sequence_parallel,
-        distributed_optimizer=m.distributed_optimizer, recompute=m.recompute, precision=t.precision,
+        distributed_optimizer=m.distributed_optimizer, recompute=m.recompute,
+        precision="bf16" if recipe.precision.train == "bf16" else "fp32",
         micro_batch_tokens=m.micro_batch_tokens, seq_tokens=seq, tokens_per_step=per_step, **lora)
 
 
@@ -215,8 +216,9 @@ def role_notes(recipe: Recipe, lay: TrainLayout, r: Roles, arch: Architecture) -
         notes.append(f"cluster.num_nodes={r.nodes_available} but the layout needs {r.nodes_needed}")
     if lay.backend == "torch" and recipe.train.megatron != type(recipe.train.megatron)():
         notes.append("train.megatron is set but train.backend is torch: the layout there is ignored")
-    if lay.backend == "torch" and recipe.train.precision == "bf16":
-        notes.append("the torch backend keeps fp32 parameters; train.precision applies to the megatron backend")
+    if lay.backend == "torch" and recipe.precision.train != "fp32":
+        notes.append(f"the torch backend keeps fp32 parameters with precision.train {recipe.precision.train} "
+                     "(bf16: autocast; int4_qat: fake-quantised in the forward): planned at fp32")
     if lay.backend == "megatron" and lay.sequence_parallel and lay.tp == 1:
         notes.append("sequence_parallel has no effect with tensor_parallel 1")
     if r.placement == "disaggregated" and recipe.sync.transport == "tensor":

@@ -8,15 +8,16 @@ from milepost.core.config import AlgoConfig, TrainConfig
 
 
 def create_backend(model_path: str, train_cfg: TrainConfig, algo_cfg: AlgoConfig, temperature: float, seed: int,
-                   total_steps: int | None = None, placement_group: Any = None) -> Any:
+                   total_steps: int | None = None, placement_group: Any = None, precision: str = "fp32") -> Any:
     """A started TrainBackend: TorchBackend for "torch", MegatronBackend for "megatron".
-    `placement_group` (core/placement.py) places the ranks on their bundles."""
+    `placement_group` (core/placement.py) places the ranks on their bundles; `precision` is
+    precision.train (core/train/precision.py)."""
     if train_cfg.backend == "megatron":
         from milepost.core.train.megatron.backend import MegatronBackend
         return MegatronBackend.create(model_path, train_cfg, algo_cfg, temperature, seed, total_steps,
-                                      placement_group=placement_group)
+                                      placement_group=placement_group, precision=precision)
     if train_cfg.backend == "torch":
         from milepost.core.train.torch_backend import TorchBackend
         return TorchBackend.create(model_path, train_cfg, algo_cfg, temperature, seed, total_steps,
-                                   placement_group=placement_group)
+                                   placement_group=placement_group, precision=precision)
     raise ValueError(f"train.backend={train_cfg.backend!r} is unknown; use torch or megatron")

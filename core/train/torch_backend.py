@@ -1,11 +1,13 @@
-"""Torch DDP train backend: one Ray actor per rank, gloo on CPU, fp32.
+"""Torch DDP train backend: one Ray actor per rank, gloo on CPU, fp32 parameters
+(precision.train bf16: autocast; int4_qat: fake-quantised Linears; core/train/precision.py).
 
 Gradient arithmetic: every micro-batch's loss is rl_loss(..., token_normalizer = GLOBAL loss
 tokens of the step), so summing over micro-batches and ranks gives the full-batch token mean.
 DDP averages gradients over ranks, so each rank backpropagates loss * world_size. Every rank
 runs the same number of micro-batches (short ranks run zero-loss padding micro-batches) so
 the DDP allreduce of the last one lines up; the others run under no_sync. Metrics add up
-over micro-batches and ranks, except keys ending in `_max`, which reduce by max.
+over micro-batches and ranks, except keys ending in `_max`, which reduce by max; the driver
+turns `train/engine_logprob_absdiff_sum` into `train/engine_logprob_diff_mean` (per loss token).
 
 Non-finite steps (core/train/nonfinite.py): a NaN/inf loss on any rank, or a NaN/inf global
 gradient norm, skips the optimizer AND scheduler step on every rank (agreed by one all-reduce),
@@ -42,6 +44,7 @@ from milepost.core.config import AlgoConfig, TrainConfig
 from milepost.core.train import lora
 from milepost.core.train.batch import (collate, count_loss_tokens, num_micro_batches,
                                        padding_sample, shard_by_rank, split_micro_batches)
+from milepost.core.train.precision import autocast, prepare_model
 from milepost.core.train.nonfinite import (SKIPPED_METRIC, NonFiniteWeightsError, agree_to_skip,
                                            first_nonfinite, nonfinite_weights_message)
 from milepost.core.train.schedule import lr_lambda
@@ -90,9 +93,10 @@ class RankWorker(SenderRank):
     """One DDP rank (runs inside a Ray actor)."""
 
     def __init__(self, rank: int, world_size: int, model_path: str, train_cfg: TrainConfig,
-                 algo_cfg: AlgoConfig, temperature: float, seed: int, total_steps: int | None) -> None:
+                 algo_cfg: AlgoConfig, temperature: float, seed: int, total_steps: int | None,
+                 precision: str = "fp32") -> None:
         torch.set_num_threads(train_cfg.num_threads_per_rank)
-        self.rank, self.world_size, self.model_path = rank, world_size, model_path
+        self.rank, self.world_size, self.model_path, self.precision = rank, world_size, model_path, precision
         self.train_cfg, self.algo_cfg, self.temperature = train_cfg, algo_cfg, temperature
         self.seed, self.total_steps = seed, total_steps
 
@@ -100,7 +104,8 @@ class RankWorker(SenderRank):
         return _free_port()
 
     def setup(self, port: int) -> None:
-        """Join the gloo group, load the model (fp32), wrap in DDP, build optimizer and schedule."""
+        """Join the gloo group, load the model (fp32, prepared for precision.train), wrap in DDP,
+        build optimizer and schedule."""
         from torch.nn.parallel import DistributedDataParallel as DDP
         from milepost.core.model.loading import load_causal_lm
         store = bound_store("127.0.0.1", port, self.world_size, self.rank == 0, PG_TIMEOUT)
@@ -108,7 +113,7 @@ class RankWorker(SenderRank):
         random.seed(self.seed + self.rank)
         np.random.seed((self.seed + self.rank) % 2**32)
         torch.manual_seed(self.seed)
-        self.module = load_causal_lm(self.model_path, torch.float32).eval()
+        self.module = prepare_model(load_causal_lm(self.model_path, torch.float32).eval(), self.precision)
         if self.train_cfg.lora is not None:  # base frozen; only the adapter trains and is sent (disk)
             lora.inject(self.module, self.train_cfg.lora, self.seed)
         elif self.rank == 0:  # the rank that sends weights: buckets become spans (no copy to send)
@@ -116,7 +121,8 @@ class RankWorker(SenderRank):
         self.pad_id = int(self.module.config.pad_token_id or 0)
         self.replay = RankReplay.attach(self.module, self.algo_cfg.routing_replay)  # None: dense model
         self.model = DDP(self.module)
-        self.ref = load_causal_lm(self.model_path, torch.float32).eval() if self.algo_cfg.kl_coef > 0 else None
+        self.ref = (prepare_model(load_causal_lm(self.model_path, torch.float32).eval(), self.precision)
+                    if self.algo_cfg.kl_coef > 0 else None)
         if self.ref is not None:
             self.ref.requires_grad_(False)
         cfg = self.train_cfg
@@ -130,13 +136,13 @@ class RankWorker(SenderRank):
         """Forward + backward of one micro-batch; returns (loss, rl_loss metrics)."""
         batch = collate(samples, self.pad_id)
         routes = self.replay.routes(samples, batch) if self.replay else None  # MoE: the engine's experts
-        with self.replay.applied(routes) if self.replay else nullcontext():
+        with self.replay.applied(routes) if self.replay else nullcontext(), autocast(self.precision):
             logprobs, entropy = response_logprobs_and_entropy(self.model, batch, self.temperature)
         if self.algo_cfg.entropy_coef == 0:
             entropy = entropy.detach()
         ref = None
         if self.ref is not None:
-            with torch.no_grad():
+            with torch.no_grad(), autocast(self.precision):
                 ref = response_logprobs(self.ref, batch, self.temperature)
         loss, metrics = rl_loss(logprobs, logprobs.detach(), batch["engine_logprobs"], batch["advantages"],
                                 batch["loss_mask"], self.algo_cfg, normalizer, ref_logprobs=ref,
@@ -144,11 +150,14 @@ class RankWorker(SenderRank):
         (loss * self.world_size).backward()
         mask = batch["loss_mask"].bool()
         if mask.any():  # engine vs trainer logprobs of the same weights: TIS and on-policy hinge on it
-            gap = (logprobs.detach() - batch["engine_logprobs"]).abs()[mask].max()
-            metrics["train/engine_logprob_diff_max"] = float(gap)
+            gap = (logprobs.detach() - batch["engine_logprobs"]).abs()[mask]
+            metrics["train/engine_logprob_diff_max"] = float(gap.max())
+            metrics["train/engine_logprob_absdiff_sum"] = float(gap.sum())
         if routes is not None:  # agreement, and the gap with and without replay (one more forward)
-            metrics.update(self.replay.compare(logprobs.detach(), batch, routes,
-                                               lambda: response_logprobs(self.module, batch, self.temperature)))
+            def forward() -> torch.Tensor:
+                with autocast(self.precision):
+                    return response_logprobs(self.module, batch, self.temperature)
+            metrics.update(self.replay.compare(logprobs.detach(), batch, routes, forward))
         return float(loss.detach()), metrics
 
     def train(self, samples: list[Sample], n_micro: int, normalizer: float) -> dict[str, float]:
@@ -235,6 +244,16 @@ class RankWorker(SenderRank):
             dist.destroy_process_group()
 
 
+def engine_gap_mean(metrics: dict[str, float], num_tokens: int) -> dict[str, float]:
+    """`train/engine_logprob_absdiff_sum` (summed over ranks) as the mean |trainer - engine|
+    logprob per loss token, `train/engine_logprob_diff_mean`: the precision modes' mismatch."""
+    out = dict(metrics)
+    total = out.pop("train/engine_logprob_absdiff_sum", None)
+    if total is not None:
+        out["train/engine_logprob_diff_mean"] = total / max(1, num_tokens)
+    return out
+
+
 def log_skipped_step(step: int, metrics: dict[str, float]) -> None:
     log.warning("step %d: non-finite loss or gradient (train/loss=%s, train/grad_norm=%s): the optimizer step was "
                 "skipped on every rank; weights, optimizer state and LR schedule are unchanged (%s=1)", step,
@@ -249,12 +268,14 @@ class TorchBackend(Rank0WeightSource):
 
     @classmethod
     def create(cls, model_path: str, train_cfg: TrainConfig, algo_cfg: AlgoConfig, temperature: float,
-               seed: int, total_steps: int | None = None, placement_group: Any = None) -> "TorchBackend":
-        """`placement_group` (core/placement.py): rank r runs on its bundle r."""
+               seed: int, total_steps: int | None = None, placement_group: Any = None,
+               precision: str = "fp32") -> "TorchBackend":
+        """`placement_group` (core/placement.py): rank r runs on its bundle r. `precision`:
+        precision.train (fp32, bf16, int4_qat)."""
         world = train_cfg.num_ranks
         actor_cls = ray.remote(num_cpus=RANK_NUM_CPUS)(RankWorker)
         actors = [actor_cls.options(**actor_strategy(placement_group, r)).remote(
-                      r, world, model_path, train_cfg, algo_cfg, temperature, seed, total_steps)
+                      r, world, model_path, train_cfg, algo_cfg, temperature, seed, total_steps, precision)
                   for r in range(world)]
         backend = cls(actors, train_cfg)
         try:
@@ -279,6 +300,7 @@ class TorchBackend(Rank0WeightSource):
         if metrics[SKIPPED_METRIC]:
             log_skipped_step(step, metrics)
         metrics = routing_replay.finish_metrics(metrics)
+        metrics = engine_gap_mean(metrics, num_tokens)
         metrics["train/num_tokens"] = float(num_tokens)
         metrics["train/num_micro_batches"] = float(n_micro)
         metrics["train/step"] = float(step)

@@ -67,7 +67,7 @@ def test_worker_on_gpu_matches_hf_and_round_trips(tmp_path):
     torch.optim.AdamW(hf.parameters(), lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0).step()
     stepped = {k: v.detach().cpu() for k, v in hf.state_dict().items()}
 
-    train = TrainConfig(backend="megatron", num_ranks=1, precision="fp32", micro_batch_size=2, lr=1e-4, grad_clip=1.0,
+    train = TrainConfig(backend="megatron", num_ranks=1, micro_batch_size=2, lr=1e-4, grad_clip=1.0,
                         megatron={"pack_sequences": True, "micro_batch_tokens": 64})
     w = MegatronRankWorker(0, 1, str(model_dir), train, algo, temperature=1.0, seed=0, total_steps=None)
     w.setup(w.free_port())

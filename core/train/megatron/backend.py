@@ -30,6 +30,7 @@ from milepost.core.train.nonfinite import SKIPPED_METRIC, NonFiniteWeightsError
 from milepost.core.train.torch_backend import (
     RANK_NUM_CPUS,
     TOKENIZER_FILES,
+    engine_gap_mean,
     log_skipped_step,
     state_sha256,
 )
@@ -52,15 +53,17 @@ class MegatronBackend(Rank0WeightSource):
 
     @classmethod
     def create(cls, model_path: str, train_cfg: TrainConfig, algo_cfg: AlgoConfig, temperature: float,
-               seed: int, total_steps: int | None = None, placement_group: Any = None) -> MegatronBackend:
+               seed: int, total_steps: int | None = None, placement_group: Any = None,
+               precision: str = "fp32") -> MegatronBackend:
         """`placement_group` (core/placement.py): rank r runs on its bundle r (CPU bundles:
-        those ranks ask for no GPU); without one, a rank takes a GPU when the cluster has one each."""
+        those ranks ask for no GPU); without one, a rank takes a GPU when the cluster has one each.
+        `precision`: precision.train."""
         from milepost.core.placement import actor_strategy
         world = train_cfg.num_ranks
         gpus = 1 if placement_group is None and ray.cluster_resources().get("GPU", 0) >= world else 0
         actor_cls = ray.remote(num_cpus=RANK_NUM_CPUS, num_gpus=gpus)(MegatronRankWorker)
         actors = [actor_cls.options(**actor_strategy(placement_group, r)).remote(
-                      r, world, model_path, train_cfg, algo_cfg, temperature, seed, total_steps)
+                      r, world, model_path, train_cfg, algo_cfg, temperature, seed, total_steps, precision)
                   for r in range(world)]
         backend = cls(actors, [], train_cfg, model_path)
         try:
@@ -86,6 +89,7 @@ class MegatronBackend(Rank0WeightSource):
         metrics[SKIPPED_METRIC] = results[0]["skipped_nonfinite"]  # agreed by every rank
         if metrics[SKIPPED_METRIC]:
             log_skipped_step(step, metrics)
+        metrics = engine_gap_mean(metrics, num_tokens)
         metrics["train/num_tokens"] = float(num_tokens)
         metrics["train/num_micro_batches"] = float(max(r["num_micro_batches"] for r in results))
         metrics["train/step"] = float(step)

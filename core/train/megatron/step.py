@@ -98,7 +98,9 @@ def micro_batch_loss(hidden: Tensor, model: Any, mb: MicroBatch, algo: AlgoConfi
                             batch["loss_mask"], algo, normalizer, ref_logprobs=ref_logprobs, entropy=entropy)
     mask = batch["loss_mask"].bool()
     if mask.any():  # engine vs trainer logprobs of the same weights (as the torch backend reports)
-        metrics["train/engine_logprob_diff_max"] = float((logprobs.detach() - batch["engine_logprobs"]).abs()[mask].max())
+        gap = (logprobs.detach() - batch["engine_logprobs"]).abs()[mask]
+        metrics["train/engine_logprob_diff_max"] = float(gap.max())
+        metrics["train/engine_logprob_absdiff_sum"] = float(gap.sum())
     metrics["train/loss"] = float(loss.detach())
     return loss, metrics
 

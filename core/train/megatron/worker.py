@@ -54,6 +54,7 @@ from milepost.core.train.megatron.step import (
     micro_batch_loss,
     response_logprobs,
 )
+from milepost.core.train.precision import autocast
 from milepost.core.train.schedule import lr_lambda
 from milepost.core.train.weight_source import SenderRank
 from milepost.core.types import Sample
@@ -82,9 +83,10 @@ def compat(method: Any) -> Any:
 
 class MegatronRankWorker(SenderRank):
     def __init__(self, rank: int, world_size: int, model_path: str, train_cfg: TrainConfig, algo_cfg: AlgoConfig,
-                 temperature: float, seed: int, total_steps: int | None) -> None:
+                 temperature: float, seed: int, total_steps: int | None, precision: str = "fp32") -> None:
+        """`precision`: precision.train (fp32 | bf16; core/train/precision.py says what bf16 does where)."""
         torch.set_num_threads(train_cfg.num_threads_per_rank)
-        self.rank, self.world_size, self.model_path = rank, world_size, model_path
+        self.rank, self.world_size, self.model_path, self.precision = rank, world_size, model_path, precision
         self.cfg, self.algo, self.temperature, self.seed = train_cfg, algo_cfg, temperature, seed
         self.lr_mult = lr_lambda(train_cfg.lr_schedule, train_cfg.warmup_steps, total_steps)
         self.sched_step = 0
@@ -129,7 +131,10 @@ class MegatronRankWorker(SenderRank):
         hf_cfg = AutoConfig.from_pretrained(self.model_path)
         self.spec: ModelSpec = spec_from_hf_config(hf_cfg, m.tensor_parallel)
         self.pad_id = int(getattr(hf_cfg, "pad_token_id", None) or 0)
-        self.dtype = torch.bfloat16 if self.cfg.precision == "bf16" else torch.float32
+        # bf16 on GPU: bf16 parameters, fp32 master weights in megatron's optimizer; on CPU (whose bf16
+        # optimizer wraps CUDA tensors only) fp32 parameters under bf16 autocast (core/train/precision.py)
+        self.dtype = torch.bfloat16 if self.precision == "bf16" and on_gpu else torch.float32
+        self.autocast = "bf16" if self.precision == "bf16" and not on_gpu else "fp32"
         self.tconfig = transformer_config(self.spec, m, self.dtype, on_cpu=not on_gpu)
         chunks = self._build_chunks()
         self.adapters = self._attach_lora(chunks)
@@ -247,7 +252,8 @@ class MegatronRankWorker(SenderRank):
         lr = self.cfg.lr * self.lr_mult(self.sched_step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        per_micro = self._run_schedule(mbs, normalizer, forward_only=False)
+        with autocast(self.autocast):
+            per_micro = self._run_schedule(mbs, normalizer, forward_only=False)
         skip = agree_to_skip(not (all_finite(m.get("train/loss", 0.0) for m in per_micro) and self._grads_finite()),
                              self.device)
         grad_norm: Any = float("nan")
@@ -278,7 +284,7 @@ class MegatronRankWorker(SenderRank):
         mbs = build_micro_batches(samples, self.pad_id, self.cfg.megatron.pack_sequences,
                                   self.cfg.micro_batch_size, self.cfg.megatron.micro_batch_tokens)
         out: list[list[float]] = []
-        with torch.no_grad():
+        with torch.no_grad(), autocast(self.autocast):
             for mb in mbs:
                 mb = mb.to(self.device)
                 chunk = self.model[0]

@@ -1,0 +1,106 @@
+"""What each precision mode (`precision.train`, `precision.rollout`) runs on, what it asks of
+the engines, and the start-up refusal of a mode the device cannot run.
+
+| mode            | torch backend (trains on CPU)    | megatron backend                    | built-in engine        | SGLang engine       |
+| --------------- | -------------------------------- | ----------------------------------- | ---------------------- | ------------------- |
+| fp32            | yes                              | yes                                 | `--dtype float32`      | `--dtype float32`   |
+| bf16            | bf16 autocast, fp32 weights      | GPU: bf16 params, fp32 master (its  | `--dtype bfloat16`     | `--dtype bfloat16`  |
+|                 |                                  | optimizer); CPU: autocast           |                        |                     |
+| int4_qat / int4 | fake-quantised Linears (STE)     | refused (config.py): not built      | `--quantization int4`  | refused (config.py) |
+| fp8             | refused: CUDA cc >= 8.9, and not built yet (issue 21: torch._scaled_mm linears, FP8 weights on sync) |||
+
+Refusals are one line naming the field, the reason and the fix (a UserError: `milepost run`
+exits 2). What no device runs is refused by the recipe schema (config.py); what depends on
+the device is refused here, probing this machine when the stages run on it (the local
+executor). The trainer/engine logprob gap of each combination is measured every step
+(`train/engine_logprob_diff_mean`, `_max`); where the two modes differ, TIS corrects for it
+(`algo.tis_cap`, on by default) and turning it off is warned about.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+from milepost.core.config import Recipe
+from milepost.core.errors import UserError
+
+log = logging.getLogger(__name__)
+
+FP8_CAPABILITY = (8, 9)  # Ada / Hopper: the first with FP8 tensor cores (torch._scaled_mm)
+# SGLang's --dtype spelling (srt/server_args.py); the built-in engine takes the same values.
+ENGINE_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "int4": "float32", "fp8": "bfloat16"}
+# The same numbers on both sides: no gap for TIS to correct beyond kernel differences.
+MATCHED = {("fp32", "fp32"), ("bf16", "bf16"), ("int4_qat", "int4"), ("fp8", "fp8")}
+
+
+class PrecisionError(UserError):
+    """A precision mode this run cannot use."""
+
+
+@dataclass(frozen=True)
+class Device:
+    """What a role computes on: `cpu` or `cuda`, with the CUDA compute capability."""
+
+    kind: str
+    capability: tuple[int, int] | None = None
+
+    def describe(self) -> str:
+        return "a CPU" if self.kind == "cpu" else f"a CUDA device of compute capability {self.capability}"
+
+
+def local_device() -> Device:
+    """This machine's first CUDA device, or its CPU."""
+    import torch
+    if not torch.cuda.is_available():
+        return Device("cpu")
+    return Device("cuda", tuple(torch.cuda.get_device_capability(0)))  # type: ignore[arg-type]
+
+
+def engine_flags(rollout: str) -> dict[str, str]:
+    """Launch flags of an engine serving `precision.rollout` (SGLang's names)."""
+    flags = {"dtype": ENGINE_DTYPE[rollout]}
+    if rollout == "int4":
+        flags["quantization"] = "int4"  # the built-in engine's; SGLang + int4 is refused by the schema
+    return flags
+
+
+def _fp8_problem(field: str, where: str, device: Device | None, todo: str) -> str:
+    if device is not None and not (device.kind == "cuda" and device.capability >= FP8_CAPABILITY):
+        return (f"{field} fp8 needs a CUDA device of compute capability >= 8.9 (FP8 matmuls), and {where} runs on "
+                f"{device.describe()}; use {field} bf16")
+    return f"{field} fp8 is not built yet (issue 21: {todo}); use {field} bf16"
+
+
+def train_problem(mode: str, backend: str, device: Device | None) -> str | None:
+    """Why `precision.train` `mode` cannot run on `device` (None: not known here), or None.
+    The torch backend always trains on CPU (gloo)."""
+    if mode != "fp8":
+        return None
+    where = "train.backend torch" if backend == "torch" else f"train.backend {backend} on this machine"
+    return _fp8_problem("precision.train", where, Device("cpu") if backend == "torch" else device,
+                        "FP8 linear layers through torch._scaled_mm with fp32 master weights")
+
+
+def rollout_problem(mode: str, engine: str, device: Device | None) -> str | None:
+    """Why `precision.rollout` `mode` cannot be served on `device` (None: not known here), or None."""
+    if mode != "fp8":
+        return None
+    return _fp8_problem("precision.rollout", f"rollout.engine {engine} on this machine", device,
+                        "block-wise FP8 weights quantised on sync, served through torch._scaled_mm")
+
+
+def check_precision(recipe: Recipe, probe: Callable[[], Device] | None) -> None:
+    """Refuse (PrecisionError) a precision mode the run's devices cannot run. `probe` gives
+    the device the stages run on (this machine's for the local executor), None when they run
+    elsewhere (Slurm: what needs the device is refused either way for now)."""
+    p = recipe.precision
+    device = probe() if probe is not None and "fp8" in (p.train, p.rollout) else None
+    problem = (train_problem(p.train, recipe.train.backend, device)
+               or rollout_problem(p.rollout, recipe.rollout.engine, device))
+    if problem:
+        raise PrecisionError(problem)
+    if (p.train, p.rollout) not in MATCHED and recipe.algo.tis_cap is None:
+        log.warning("precision.train %s and precision.rollout %s compute different logprobs, and algo.tis_cap is "
+                    "null: nothing corrects for the gap (set algo.tis_cap, e.g. 2.0)", p.train, p.rollout)
