@@ -55,19 +55,27 @@ def trainer(conn, results, specs: list[wire.Spec], bucket_bytes: int, pushes: in
     weights = {s["name"]: torch.randn(s["shape"], device="cuda").to(torch.bfloat16) for s in specs}
     plan = buckets(specs, bucket_bytes)
     flat = sglang_wire.shared_buffer(max(wire.offsets(b)[1] for b in plan), "cuda")
-    times = []
+    times, phases = [], {"trainer_copy": 0.0, "encode": 0.0, "engine_round_trip": 0.0}
     for _ in range(pushes):
         torch.cuda.synchronize()
         start = time.perf_counter()
         for bucket in plan:
             offs, total = wire.offsets(bucket)
+            t0 = time.perf_counter()
             for spec, off in zip(bucket, offs):
                 wire.view(flat, off, spec).copy_(weights[spec["name"]])
-            conn.send(sglang_wire.encode(flat[:total], bucket))
+            torch.cuda.synchronize()  # only to time the phases apart (a push needs no sync here)
+            t1 = time.perf_counter()
+            payload = sglang_wire.encode(flat[:total], bucket)
+            t2 = time.perf_counter()
+            conn.send(payload)
             conn.recv()  # the engine copied it in: the buffer may be written again
+            t3 = time.perf_counter()
+            for key, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2)):
+                phases[key] += dt / pushes
         times.append(time.perf_counter() - start)
     conn.send(None)
-    results.put({"times": times, "buckets": len(plan)})
+    results.put({"times": times, "buckets": len(plan), "phases": phases, "engine": conn.recv()})
 
 
 def engine(conn, specs: list[wire.Spec], keep_mappings: bool) -> None:  # noqa: ANN001
@@ -75,16 +83,33 @@ def engine(conn, specs: list[wire.Spec], keep_mappings: bool) -> None:  # noqa: 
     push's handle (the trainer reuses its buffer) is found in torch's cache instead of being
     opened again (cudaIpcOpenMemHandle); SGLang drops it after each load."""
     mine = {s["name"]: torch.empty(s["shape"], dtype=torch.bfloat16, device="cuda") for s in specs}
-    held = []
+    local = torch.empty(sum(wire.spec_nbytes(s) for s in specs), dtype=torch.uint8, device="cuda")
+    held, phases, pushes = [], {"decode": 0.0, "engine_copy": 0.0, "one_copy_of_bucket": 0.0,
+                                "local_copy_same_bytes": 0.0}, 0
     while (payload := conn.recv()) is not None:
+        t0 = time.perf_counter()
         flat, got = sglang_wire.decode(base64.b64decode(payload))
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
         for spec in got:
             mine[spec["name"]].copy_(wire.view(flat, spec["offset"], spec))
         torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        raw = flat.view(torch.uint8)  # diagnostics: the same bytes as one copy from the mapped
+        local[:raw.numel()].copy_(raw)  # buffer, then as one copy within this process's memory
+        torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        local[raw.numel():2 * raw.numel()].copy_(local[:raw.numel()]) if 2 * raw.numel() <= local.numel() else None
+        torch.cuda.synchronize()
+        t4 = time.perf_counter()
+        for key, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            phases[key] += dt
+        pushes += 1
         held = [flat] if keep_mappings else []
-        del flat
+        del flat, raw
         conn.send("ok")
     del held
+    conn.send({k: v / max(pushes, 1) for k, v in phases.items()})
 
 
 def device_copy_s(nbytes: int, repeats: int = 5) -> float:
@@ -107,7 +132,7 @@ def push(specs: list[wire.Spec], args: argparse.Namespace, keep_mappings: bool) 
              ctx.Process(target=engine, args=(to_trainer, specs, keep_mappings))]
     for p in procs:
         p.start()
-    measured = results.get(timeout=300)
+    measured = results.get(timeout=600)
     for p in procs:
         p.join(60)
     return measured
@@ -134,6 +159,10 @@ def main() -> None:
         lines.append(f"push by CUDA IPC, {how}: trainer copy + payload + engine copy, best of "
                      f"{len(measured['times'])} (first {measured['times'][0]:.4f} s): {push_s:.4f} s = "
                      f"{nbytes / push_s / 1e9:.1f} GB/s, vs device copy {copy_s / push_s:.3f}")
+        phases = {**measured["phases"], **{f"engine {k}": v * measured["buckets"]
+                                          for k, v in measured["engine"].items()}}
+        lines.append("  per push (mean, each phase synchronised apart, buckets summed): " +
+                     ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in phases.items()))
     best = min(min(m["times"][1:] or m["times"]) for m in rows.values())
     lines.append(f"tensor_sync_vs_copy: {copy_s / best:.3f}")
     text = "\n".join(lines) + "\n"
