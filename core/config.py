@@ -135,7 +135,8 @@ MANAGED_ENGINE_FLAGS = frozenset({
     "--dp-size", "--data-parallel-size", "--ep-size", "--expert-parallel-size", "--ep", "--base-gpu-id",
     "--mem-fraction-static", "--enable-memory-saver", "--weight-version", "--skip-server-warmup",
     "--enable-return-routed-experts", "--enable-deterministic-inference", "--dist-init-addr",
-    "--nccl-init-addr", "--nnodes", "--node-rank", "--max-running-requests", "--config"})
+    "--nccl-init-addr", "--nnodes", "--node-rank", "--max-running-requests", "--config", "--dtype",
+    "--quantization"})
 SECRET_ENGINE_FLAGS = frozenset({"--api-key", "--admin-api-key"})
 
 

@@ -114,7 +114,7 @@ def fleet_lines(recipe: Recipe, root: str, block: int = 0) -> list[str]:
     if model.startswith("builtin:"):
         model = Deferred(f"{{{model} model, built and cached at first use}}")
     template = engine_command(r, model, "0", colocated=colocated, host=host, admin_key=True, lora=recipe.train.lora,
-                              moe=is_moe_model(recipe.model.path))
+                              moe=is_moe_model(recipe.model.path), precision=recipe.precision.rollout)
     bundles = placement.bundles()
     out = [f"== rollout: {r.num_engines} × {r.engine} engine (TP {r.engine_tensor_parallel}), {placement.mode}, "
            f"as detached Ray actors; placement group {GROUP_NAME} (PACK), bundles: {bundles}",

@@ -36,7 +36,7 @@ def rollout(ctx: StageContext) -> dict[str, Any]:
     fleet = Fleet.start(serve_path, ctx.recipe.rollout.num_engines, ctx.recipe.rollout, version, host,
                         log_dir=str(log_dir), detached=True, on_change=ctx.write_fleet,
                         placement=placement_for(ctx.recipe, RANK_NUM_CPUS),
-                        admin_key_path=ctx.engine_admin_key_path(), lora=lora)
+                        admin_key_path=ctx.engine_admin_key_path(), lora=lora, precision=ctx.recipe.precision.rollout)
     try:
         if lora is not None and latest:
             from milepost.core.engine.fleet import FleetTransport

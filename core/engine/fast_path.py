@@ -75,6 +75,8 @@ def fast_path_problem(sched: Scheduler, model: torch.nn.Module) -> str | None:
         return "a CPU device (the fast path is the default on CUDA)"
     if sched.lora.enabled or sched.routed_experts:
         problem = "LoRA adapters" if sched.lora.enabled else "routed-expert capture"
+    elif sched.quantization:  # quantized.py: int4 layers dequantise in their own forward
+        problem = f"--quantization {sched.quantization}"
     else:
         problem = unsupported_reason(model)
     if problem and sched.decode_path == "static":

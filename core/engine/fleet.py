@@ -104,13 +104,14 @@ class Fleet:
         self.engine_bundles: list[int] | None = None
         self.colocated = False  # engines share the trainer's devices: SGLang gets --enable-memory-saver
         self.lora: LoraConfig | None = None  # train.lora: engines take adapters; `served` may be one
+        self.precision = "fp32"  # precision.rollout: the engines' --dtype / --quantization (core/quant/modes.py)
 
     @classmethod
     def start(cls, model_path: str, num_engines: int, cfg: RolloutConfig, weight_version: str = "0",
               host: str | None = "127.0.0.1", *, load_delay_s: float = 0.0, log_dir: str | None = None,
               detached: bool = False, on_change: Callable[[dict[str, Any]], None] | None = None,
               placement: Placement | None = None, admin_key_path: str | None = None,
-              lora: LoraConfig | None = None) -> "Fleet":
+              lora: LoraConfig | None = None, precision: str = "fp32") -> "Fleet":
         """Launch the engines, wait until each is healthy, start the router in front.
         `host` None: each engine and the router bind their node's IP (multi-node clusters).
         `load_delay_s` (tests only) makes every engine's cold start that much slower.
@@ -118,6 +119,7 @@ class Fleet:
         fleet = cls(model_path, weight_version, cfg, host, log_dir, detached, on_change, admin_key_path)
         fleet.supervisor.load_delay_s = load_delay_s
         fleet.lora = lora  # engines launch from the base weights with LoRA on (lora_push.py)
+        fleet.precision = precision
         if placement is not None:
             fleet.colocated = placement.mode == "colocated"
             fleet.placement_group = ensure_group(placement)
@@ -149,6 +151,7 @@ class Fleet:
         fleet = cls(base, str(version), cfg, doc.get("host"), doc["log_dir"], True, on_change, admin_key_path)
         fleet.served = (path, str(version))
         fleet.lora = LoraConfig(**doc["lora"]) if doc.get("lora") else None
+        fleet.precision = doc.get("precision", "fp32")
         if doc.get("engine_bundles") is not None:
             fleet.placement_group, fleet.engine_bundles = find_group(), list(doc["engine_bundles"])
         fleet.colocated = bool(doc.get("colocated", False))
@@ -235,7 +238,7 @@ class Fleet:
         engine admitted later loads `served` (FleetSupervisor._admit)."""
         return engine_command(self.cfg, self.base_model_path, self.base_weight_version, colocated=self.colocated,
                               host=self.host, admin_key=self.admin_key_path is not None, load_delay_s=load_delay_s,
-                              lora=self.lora)
+                              lora=self.lora, precision=self.precision)
 
     def engine_placement(self, index: int) -> dict[str, Any]:
         """Ray options putting engine `index` on its placement-group bundle (none without one),
@@ -257,7 +260,7 @@ class Fleet:
             return {"engines": engines, "router": router, "served": list(self.served),
                     "log_dir": self.log_dir, "host": self.host, "engine_bundles": self.engine_bundles,
                     "colocated": self.colocated, "base_model_path": self.base_model_path,
-                    "lora": self.lora.model_dump() if self.lora else None}
+                    "lora": self.lora.model_dump() if self.lora else None, "precision": self.precision}
 
     def _changed(self) -> None:
         if self.on_change is not None:

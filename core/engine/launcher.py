@@ -29,6 +29,7 @@ from typing import Any
 
 from milepost.core.config import LoraConfig, RolloutConfig
 from milepost.core.model.moe import is_moe_model
+from milepost.core.quant.modes import engine_flags
 
 ENGINE_MODULES = {"builtin": "milepost.core.engine.server", "sglang": "sglang.launch_server"}
 # What the built-in engine cannot honour: a value other than the neutral one is refused, by
@@ -67,6 +68,8 @@ class EngineCommand:
     ep_size: int | None = None
     base_gpu_id: int = 0  # the actor's CUDA_VISIBLE_DEVICES (set by Ray) start at 0
     mem_fraction_static: float | None = None
+    dtype: str | None = None  # --dtype, SGLang's spelling (precision.rollout: core/quant/modes.py)
+    quantization: str | None = None  # --quantization (the built-in engine's int4)
     enable_memory_saver: bool = False
     enable_return_routed_experts: bool = False
     enable_deterministic_inference: bool = False
@@ -117,6 +120,10 @@ class EngineCommand:
         if self.mem_fraction_static is not None:
             a += ["--mem-fraction-static", repr(float(self.mem_fraction_static))]
         a += ["--max-running-requests", str(self.max_running_requests)]
+        if self.dtype is not None:
+            a += ["--dtype", self.dtype]
+        if self.quantization is not None:
+            a += ["--quantization", self.quantization]
         a += ["--weight-version", self.weight_version]
         for flag in ("enable_memory_saver", "skip_server_warmup", "enable_return_routed_experts",
                      "enable_deterministic_inference"):
@@ -173,12 +180,16 @@ PLACEHOLDERS = {
 
 def engine_command(cfg: RolloutConfig, model_path: str, weight_version: str, *, colocated: bool,
                    host: str | None = None, admin_key: bool = False, load_delay_s: float = 0.0,
-                   python: str | None = None, lora: LoraConfig | None = None, moe: bool | None = None) -> EngineCommand:
+                   python: str | None = None, lora: LoraConfig | None = None, moe: bool | None = None,
+                   precision: str = "fp32") -> EngineCommand:
     """The launch template of one engine of `cfg` (rollout section). `host` None: the node's IP
     (`{node_ip}` until launch); ports are picked free on the node at launch; `admin_key`: the
-    engine gets `--config` with the admin key (written by the actor on its node)."""
+    engine gets `--config` with the admin key (written by the actor on its node); `precision`:
+    precision.rollout, as --dtype (and --quantization) flags."""
     s = cfg.sglang
+    flags = engine_flags(precision)
     common = dict(engine=cfg.engine, model_path=model_path, host=host or NODE_IP, port=FREE_PORT,
+                  dtype=flags["dtype"], quantization=flags.get("quantization"),
                   weight_version=str(weight_version), max_running_requests=cfg.max_batch_size,
                   config_path=ADMIN_CONFIG if admin_key else None, load_delay_s=load_delay_s,
                   python=python or PYTHON, max_lora_rank=lora.rank if lora else None,

@@ -28,7 +28,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from milepost.core.engine.http_guard import DEFAULT_MAX_BODY_MB, guard, read_key_file
 from milepost.core.engine.checkpoint_layout import live_layout
@@ -44,6 +44,7 @@ from milepost.core.engine.routing_capture import check_start_len, response_route
 from milepost.core.engine.generation import Generator, SamplingParams, Sequence, make_sequences
 from milepost.core.engine.lora_adapter import EngineLora, add_lora_routes, requested_adapters, take_batch
 from milepost.core.engine.memory import MemoryOccupation, parse_tags
+from milepost.core.engine.quantized import QUANTIZATIONS, add_weights_route, load_model
 from milepost.core.model.moe_routing import RouterTap
 from milepost.core.engine.weight_receiver import WeightReceiver
 from milepost.core.engine.weight_routes import add_weight_routes, client_gone
@@ -117,6 +118,7 @@ class Scheduler:
         self.routed_experts = False  # --enable-return-routed-experts: routes captured (routing_capture.py)
         # device and fast path (fast_path.py); serve() sets them from the flags
         self.device, self.dtype, self.decode_path = "auto", "auto", "auto"
+        self.quantization: str | None = None  # --quantization (quantized.py)
         self.context_length: int | None = None
         self.mem_fraction_static: float | None = None
         self.disable_cuda_graph = False
@@ -125,7 +127,7 @@ class Scheduler:
     def load(self) -> None:
         device = serving_device(self.device)
         dtype = model_dtype(self.dtype, device, self.model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype).to(device).eval()
+        self.model = load_model(self.model_path, device, dtype, self.quantization, lambda: self.receiver.generation)
         self.tokenizer = _load_tokenizer(self.model_path)
         cfg = self.model.config
         gen_cfg = getattr(self.model, "generation_config", None)
@@ -593,6 +595,7 @@ def create_app(sched: Scheduler) -> FastAPI:
 
     add_weight_routes(app, sched, sched.receiver)
     add_lora_routes(app, sched)
+    add_weights_route(app, sched)
 
     @app.post("/release_memory_occupation")
     async def release_memory(request: Request) -> Any:
@@ -635,7 +638,8 @@ def create_app(sched: Scheduler) -> FastAPI:
                 "end_weight_update_abort": True,  # /end_weight_update takes `abort` (discards the session)
                 # /update_weights_from_tensor also takes milepost's shm descriptor (beside SGLang's pickle)
                 "tensor_formats": [SHM_FORMAT], "enable_lora": sched.lora.enabled,
-                "max_lora_rank": sched.lora.max_rank, "lora_target_modules": sched.lora.target_modules}
+                "max_lora_rank": sched.lora.max_rank, "lora_target_modules": sched.lora.target_modules,
+                "quantization": sched.quantization}
 
     @app.get("/get_load")
     async def get_load() -> Any:
@@ -716,6 +720,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default="auto", help="auto (cuda when visible) | cpu | cuda | cuda:N")
     ap.add_argument("--dtype", default="auto", help="SGLang's flag: auto | half | float16 | bfloat16 | float | "
                                                     "float32 (auto: float32 on CPU, 16-bit on CUDA)")
+    ap.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                    help="SGLang's flag; the built-in engine's value int4: Linears served as group-wise int4 "
+                         "quantised from the loaded and pushed weights (quantized.py; needs --dtype float32)")
     ap.add_argument("--decode-path", default="auto", choices=DECODE_PATHS,
                     help="auto: the static-cache fast path on CUDA, the HF path on CPU; static: the fast path "
                          "anywhere; hf: the HF path")
@@ -796,8 +803,9 @@ def main(argv: list[str] | None = None) -> None:
           admin_key_from_args(a.admin_api_key, a.admin_api_key_file), a.max_request_body_mb,
           a.enable_deterministic_inference, EngineLora(a.enable_lora, a.max_lora_rank, a.lora_target_modules),
           a.enable_return_routed_experts,
-          {"device": a.device, "dtype": a.dtype, "decode_path": a.decode_path, "context_length": a.context_length,
-           "mem_fraction_static": a.mem_fraction_static, "disable_cuda_graph": a.disable_cuda_graph})
+          {"device": a.device, "dtype": a.dtype, "quantization": a.quantization, "decode_path": a.decode_path,
+           "context_length": a.context_length, "mem_fraction_static": a.mem_fraction_static,
+           "disable_cuda_graph": a.disable_cuda_graph})
 
 
 if __name__ == "__main__":

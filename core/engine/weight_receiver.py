@@ -82,6 +82,7 @@ class WeightReceiver:
         self.groups = GroupReceiver(self)  # the distributed transport's side
         self.unloaded: set[str] = set()  # canonical names allocated by a memory resume, not yet loaded
         self.epoch = 0  # bumped whenever a live tensor's storage is replaced (fast_path.ContinuousDriver)
+        self.generation = 0  # bumped (under model_lock) whenever live weights may change: swap, copy, release, allocate
 
     # ---- session ----
     def in_session(self) -> bool:
@@ -155,6 +156,7 @@ class WeightReceiver:
     def _swap_in(self, canonical: str, tensor: torch.Tensor, lease: Lease | None) -> None:
         """Point the live tensor at `tensor` (caller holds model_lock and _update_lock)."""
         live = self._target_map()[canonical][1]
+        self.generation += 1  # contents change either way (quantized.py re-quantises on it)
         if live.is_cuda and lease is None and live.numel() and live.shape == tensor.shape:
             # Copied in, not swapped: CUDA graphs captured over the live tensor stay valid
             # (static_model.py); the staged tensor stays the next shadow.
@@ -230,6 +232,7 @@ class WeightReceiver:
                         lease.release()
             self._shadows.clear()
             self.epoch += 1
+            self.generation += 1
             return shapes
 
     def allocate_weights(self, shapes: dict[str, tuple[torch.Size, torch.dtype]]) -> None:
@@ -242,6 +245,7 @@ class WeightReceiver:
                 live.data = torch.empty(shape, dtype=dtype, device=live.device)
             self.unloaded = set(shapes)
             self.epoch += 1
+            self.generation += 1
 
     def run_update(self, work: Any, flush_cache: bool, version: Any) -> Reply:
         """Run one update call `work()` inside the open session; any failure poisons it."""

@@ -1,0 +1,132 @@
+"""The built-in engine's model as loaded and served: `--dtype`, and `--quantization int4`.
+
+int4 (`precision.rollout: int4`; the format: core/quant/int4.py): every Linear that a trainer
+with `precision.train: int4_qat` fake-quantises is served from int4 values (packed eight to an
+int32, compressed-tensors' `weight_packed`) and float32 group scales, dequantised to float32
+for each matmul. They are quantised with the trainer's own function from the fp32 weights the
+engine loads or is pushed (any transport: disk, tensor, distributed), so the engine serves
+the trainer's fake-quantised weights bit for bit. The pushed weights stay in the layer's
+`weight`, the weight receiver's landing tensor (names, shapes, staging and memory release
+work as for any model); no matmul reads them.
+
+When: a layer re-quantises at its first forward after the live weights changed, which the
+receiver counts (`WeightReceiver.generation`, bumped under model_lock by every swap, copy,
+release and re-allocation). Forwards run under model_lock too, so a forward always computes
+with the int4 form of the weights it would otherwise have used.
+
+Refused at load: `--quantization int4` with a `--dtype` other than float32 (the trainer's fake
+quantisation is fp32). Int4 engines serve on the HF path (fast_path.py: the fast path fuses
+q/k/v weights itself and would read the unquantised ones).
+
+`/get_weights_by_name` (SGLang's route: `{name, truncate_size}` -> the tensor's first
+`truncate_size` rows as float32 lists) answers with the weight a matmul uses: for an int4
+layer the dequantised one. Float32 values survive JSON exactly, so callers compare bits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from milepost.core.quant.int4 import dequantize_int4, pack_int4, quantize_int4, quantized_linears, unpack_int4
+
+QUANTIZATIONS = ("int4",)
+
+
+class Int4Linear(torch.nn.Linear):
+    """A Linear served from int4 values and scales (module doc); made from an nn.Linear in
+    place by `serve_int4`, which sets the attributes below (plain attributes, not buffers:
+    the state dict, which weight updates fill, keeps only `weight` and `bias`)."""
+
+    weight_packed: torch.Tensor  # int32 [out, ceil(in / 8)]
+    weight_scale: torch.Tensor  # float32 [out, groups]
+    generation: Callable[[], int]  # the receiver's count of live-weight changes
+    quantized_at: int | None
+
+    def refresh(self) -> None:
+        q, scale = quantize_int4(self.weight)
+        self.weight_packed, self.weight_scale = pack_int4(q), scale
+        self.quantized_at = self.generation()
+
+    def served_weight(self) -> torch.Tensor:
+        """The weight every matmul uses: [out, in], dequantised from the int4 values."""
+        if self.quantized_at != self.generation():
+            self.refresh()
+        return dequantize_int4(unpack_int4(self.weight_packed, self.in_features), self.weight_scale, self.weight.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.served_weight(), self.bias)
+
+
+def serve_int4(model: torch.nn.Module, generation: Callable[[], int]) -> list[str]:
+    """Turn every quantised Linear of `model` into an Int4Linear (its class swapped in place:
+    same module, same parameters) and quantise it. Returns the layer names."""
+    layers = quantized_linears(model)
+    for layer in layers.values():
+        if type(layer) is not torch.nn.Linear:
+            raise TypeError(f"int4 serving expects plain nn.Linear layers, got {type(layer).__name__}")
+        layer.__class__ = Int4Linear
+        layer.generation = generation
+        layer.refresh()
+    return sorted(layers)
+
+
+def load_model(path: str, device: torch.device, dtype: torch.dtype, quantization: str | None,
+               generation: Callable[[], int]) -> torch.nn.Module:
+    """The engine's model from the HF folder `path`, on `device` in `dtype`, served with
+    `quantization` (None, or one of QUANTIZATIONS)."""
+    from transformers import AutoModelForCausalLM
+
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"--quantization {quantization}: the built-in engine serves {', '.join(QUANTIZATIONS)}")
+    if quantization == "int4" and dtype != torch.float32:
+        raise ValueError(f"--quantization int4 dequantises to float32 (as the int4_qat trainer computes), not "
+                         f"{dtype}: pass --dtype float32")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    if quantization == "int4":
+        serve_int4(model, generation)
+    return model
+
+
+def served_rows(model: torch.nn.Module, name: str, truncate_size: int) -> list[Any]:
+    """SGLang's get_weights_by_name: the first `truncate_size` rows of the tensor `name` as a
+    matmul uses it, float32 (a tied lm_head is the embedding)."""
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name) if module_name else model
+    if isinstance(module, Int4Linear) and leaf == "weight":
+        tensor = module.served_weight()
+    else:
+        tensor = model.state_dict().get(name)
+        if tensor is None:
+            raise KeyError(name)
+    return tensor.detach().to("cpu", torch.float32).tolist()[:truncate_size]
+
+
+def add_weights_route(app: FastAPI, sched: Any) -> None:
+    """`/get_weights_by_name` (an admin endpoint: the guard asks for the admin key)."""
+
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    async def get_weights_by_name(request: Request) -> Any:
+        if not sched.ready:
+            return JSONResponse({"error": {"message": "model is loading"}}, status_code=503)
+        body = await request.json()
+        name, size = body.get("name") if isinstance(body, dict) else None, 100
+        if isinstance(body, dict) and body.get("truncate_size") is not None:
+            size = body["truncate_size"]
+        if not isinstance(name, str) or not isinstance(size, int):
+            return JSONResponse({"error": {"message": "`name` (string) and `truncate_size` (int) expected"}},
+                                status_code=400)
+
+        def read() -> list[Any]:
+            with sched.model_lock:
+                return served_rows(sched.model, name, size)
+        try:
+            return JSONResponse(await asyncio.to_thread(read))
+        except (KeyError, AttributeError):
+            return JSONResponse({"error": {"message": f"Get parameter by name failed: no tensor {name!r}"}},
+                                status_code=400)

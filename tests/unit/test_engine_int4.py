@@ -1,0 +1,97 @@
+"""The built-in engine serving int4 (core/engine/quantized.py): it stores packed int4 values and
+float32 scales, computes exactly what the int4_qat trainer computes, re-quantises when the
+weight receiver counts a change of the live weights (a disk update here; the pushed
+transports through a real engine process: tests/integration/test_int4_serving.py), needs
+--dtype float32, serves on the HF path, and gets its flags from precision.rollout."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from milepost.core.config import RolloutConfig
+from milepost.core.engine.fast_path import fast_path_problem
+from milepost.core.engine.launcher import engine_command
+from milepost.core.engine.quantized import Int4Linear, load_model, serve_int4, served_rows
+from milepost.core.engine.server import Scheduler, parse_args
+from milepost.core.quant.int4 import fake_quantize_int4, num_groups, quantized_linears, unpack_int4
+from milepost.core.train.precision import attach_int4_qat
+
+IDS = torch.randint(2, 40, (2, 9), generator=torch.Generator().manual_seed(0))
+
+
+def _tiny(seed: int) -> Qwen2ForCausalLM:
+    """hidden 128 (one group of 128), intermediate 320 (down_proj: 128 + 128 + a ragged 64)."""
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=40, hidden_size=128, intermediate_size=320, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, tie_word_embeddings=True, eos_token_id=1, pad_token_id=0)
+    return Qwen2ForCausalLM(cfg).float().eval()
+
+
+def test_int4_serving_stores_packed_values_and_scales_and_computes_what_the_qat_trainer_computes() -> None:
+    engine, trainer = _tiny(0), _tiny(0)
+    names = serve_int4(engine, lambda: 0)
+    attach_int4_qat(trainer)
+    assert names == sorted(quantized_linears(trainer)) and len(names) == 14
+    for layer in quantized_linears(engine).values():
+        assert isinstance(layer, Int4Linear)
+        out, cols = layer.weight.shape
+        assert layer.weight_packed.dtype == torch.int32 and layer.weight_packed.shape == (out, -(-cols // 8))
+        assert layer.weight_scale.dtype == torch.float32 and layer.weight_scale.shape == (out, num_groups(cols))
+        assert int(unpack_int4(layer.weight_packed, cols).abs().max()) == 7
+    assert engine.model.layers[0].mlp.down_proj.weight_scale.shape == (128, 3)
+    with torch.no_grad():
+        assert torch.equal(engine(input_ids=IDS).logits, trainer(input_ids=IDS).logits)
+    assert set(engine.state_dict()) == set(_tiny(0).state_dict())  # what weight updates fill is unchanged
+
+
+def test_a_layer_requantises_when_the_receiver_counts_a_change_and_only_then() -> None:
+    model, generation = _tiny(0), [0]
+    serve_int4(model, lambda: generation[0])
+    layer = model.model.layers[1].self_attn.o_proj
+    old = layer.served_weight()
+    new = torch.randn_like(layer.weight) * 0.05
+    layer.weight.data = new
+    assert torch.equal(layer.served_weight(), old)  # uncounted: nothing tells it (the receiver always counts)
+    generation[0] += 1
+    assert torch.equal(layer.served_weight(), fake_quantize_int4(new))
+
+
+def test_a_disk_update_is_served_as_the_fake_quantised_new_weights(tmp_path) -> None:
+    first, second = str(tmp_path / "a"), str(tmp_path / "b")
+    _tiny(0).save_pretrained(first)
+    _tiny(1).save_pretrained(second)
+    sched = Scheduler(first)
+    sched.device, sched.dtype, sched.quantization = "cpu", "float32", "int4"
+    sched.load()
+    assert sched.driver is None  # the HF path
+    ok, message = sched.update_weights(second, "1", flush_cache=False, abort_all=False)
+    assert ok, message
+    expected = _tiny(1)
+    for name, layer in quantized_linears(expected).items():
+        served = torch.tensor(served_rows(sched.model, f"{name}.weight", 10**6))
+        assert torch.equal(served, fake_quantize_int4(layer.weight))
+    assert torch.equal(torch.tensor(served_rows(sched.model, "model.norm.weight", 10**6)), expected.model.norm.weight)
+    assert len(served_rows(sched.model, "model.embed_tokens.weight", 5)) == 5  # SGLang's truncate_size: rows
+
+
+def test_int4_needs_float32_and_the_fast_path_refuses_it(tmp_path) -> None:
+    _tiny(0).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"--quantization int4 dequantises to float32 .*pass --dtype float32"):
+        load_model(str(tmp_path), torch.device("cpu"), torch.bfloat16, "int4", lambda: 0)
+    sched = SimpleNamespace(decode_path="static", lora=SimpleNamespace(enabled=False), routed_experts=False,
+                            quantization="int4")
+    with pytest.raises(ValueError, match="--decode-path static cannot serve this engine: --quantization int4"):
+        fast_path_problem(sched, _tiny(0))
+
+
+@pytest.mark.parametrize("precision,dtype,quantization", [("fp32", "float32", None), ("bf16", "bfloat16", None),
+                                                          ("int4", "float32", "int4")])
+def test_each_rollout_precision_launches_the_builtin_engine_with_flags_it_parses(precision, dtype, quantization) -> None:
+    cmd = engine_command(RolloutConfig(), "/m", "0", colocated=False, host="127.0.0.1", precision=precision)
+    argv = cmd.resolve(port=30000, python="python").argv()
+    args = parse_args(argv[3:])
+    assert (args.dtype, args.quantization) == (dtype, quantization)
