@@ -13,6 +13,13 @@ SGLang engines (`rollout.engine: sglang`) get GPU bundles: engine e's bundle hol
 TP size in GPUs, the engine actor asks for them (`num_gpus`), Ray sets its
 CUDA_VISIBLE_DEVICES, and the engine starts at `--base-gpu-id 0` (core/engine/launcher.py).
 
+On a cluster with GPUs (`gpus`), every trainer rank and every built-in engine takes one:
+disaggregated, each its own bundle's GPU; colocated, a rank and the engine of its bundle
+each ask GPU_SHARE of the bundle's one GPU, so Ray gives both that GPU in
+CUDA_VISIBLE_DEVICES (an actor that asks no GPU sees none) and they hand its memory over
+each step. Colocated SGLang engines of TP > 1 keep their whole bundle: ranks beside them
+ask no GPU (not run on GPUs yet).
+
 Strategy PACK: bundles fill one node before the next, so a block's trainer ranks stay
 together (their collectives are the heaviest traffic). The group dies with the block's Ray
 cluster (teardown); nothing else removes it.
@@ -29,6 +36,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 GROUP_NAME = "milepost-placement"  # unique: every block has its own Ray cluster and namespace
 ENGINE_CPUS = 0.5  # what an engine actor reserves (core/engine/actor.py)
+GPU_SHARE = 0.5  # colocated on a GPU: what the rank and the engine of a bundle each ask of it
 
 
 @dataclass(frozen=True)
@@ -37,19 +45,40 @@ class Placement:
     num_ranks: int
     num_engines: int
     rank_cpus: float
-    engine_gpus: int = 0  # GPUs per engine: SGLang TP=k takes k (launcher.engine_gpus), the built-in none
+    engine_gpus: int = 0  # GPUs per engine: SGLang TP=k takes k, the built-in 1 on GPUs (launcher.engine_gpus)
+    gpus: bool = False  # the cluster has GPUs: trainer ranks take one each (module docstring)
 
     def bundles(self) -> list[dict[str, float]]:
-        """Logical CPUs, plus `engine_gpus` GPUs in each engine's bundle (an SGLang engine of
-        TP=k is one actor: its k GPUs must be one bundle, hence one node). Colocated, bundle
-        e holds engine e's GPUs and trainer rank e runs beside it: the trainer's ranks ask no
-        GPU of the group and share the engines' devices (engines sleep while it trains)."""
-        gpu = {"GPU": float(self.engine_gpus)} if self.engine_gpus else {}
+        """Logical CPUs, plus GPUs: `engine_gpus` in each engine's bundle (an SGLang engine of
+        TP=k is one actor: its k GPUs must be one bundle, hence one node) and, with `gpus`,
+        one in each rank's. Colocated, bundle b holds engine b and trainer rank b."""
         if self.mode == "colocated":
-            return [{"CPU": self.rank_cpus + ENGINE_CPUS, **(gpu if b < self.num_engines else {})}
+            return [{"CPU": self.rank_cpus + ENGINE_CPUS, **_gpu(self._colocated_gpus(b))}
                     for b in range(max(self.num_ranks, self.num_engines))]
-        return ([{"CPU": self.rank_cpus} for _ in range(self.num_ranks)]
-                + [{"CPU": ENGINE_CPUS, **gpu} for _ in range(self.num_engines)])
+        return ([{"CPU": self.rank_cpus, **_gpu(1 if self.gpus else 0)} for _ in range(self.num_ranks)]
+                + [{"CPU": ENGINE_CPUS, **_gpu(self.engine_gpus)} for _ in range(self.num_engines)])
+
+    def _colocated_gpus(self, bundle: int) -> int:
+        engine = self.engine_gpus if bundle < self.num_engines else 0
+        return max(engine, 1 if self.gpus and bundle < self.num_ranks else 0)
+
+    def _shares_gpu(self, bundle: int) -> bool:
+        """A rank and a one-GPU engine on one bundle's GPU (colocated)."""
+        return (self.mode == "colocated" and self.gpus and self.engine_gpus == 1
+                and bundle < self.num_engines and bundle < self.num_ranks)
+
+    def rank_gpus(self, rank: int) -> float:
+        """What trainer rank `rank` asks of its bundle (Ray shows it those GPUs)."""
+        if not self.gpus:
+            return 0.0
+        if self._shares_gpu(self.rank_bundle(rank)):
+            return GPU_SHARE
+        busy = self.mode == "colocated" and rank < self.num_engines and self.engine_gpus > 1
+        return 0.0 if busy else 1.0
+
+    def engine_gpu_request(self, index: int) -> float:
+        """What engine `index` asks of its bundle."""
+        return GPU_SHARE if self._shares_gpu(self.engine_bundle(index)) else float(self.engine_gpus)
 
     def rank_bundle(self, rank: int) -> int:
         return rank
@@ -61,11 +90,12 @@ class Placement:
 
 
 def placement_for(recipe: Any, rank_cpus: float) -> Placement:
-    """The block's placement from the recipe (cluster.placement, train.num_ranks, engines;
-    GPU bundles for SGLang engines)."""
+    """The block's placement from the recipe (cluster.placement, train.num_ranks, engines) and
+    the connected Ray cluster (GPUs or not)."""
     from milepost.core.engine.launcher import engine_gpus
+    gpus = ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
     return Placement(recipe.cluster.placement, recipe.train.num_ranks, recipe.rollout.num_engines, rank_cpus,
-                     engine_gpus(recipe.rollout))
+                     engine_gpus(recipe.rollout, gpus), gpus)
 
 
 def ensure_group(placement: Placement, timeout_s: float = 300.0) -> PlacementGroup:
@@ -88,6 +118,10 @@ def find_group() -> PlacementGroup | None:
         return get_placement_group(GROUP_NAME)
     except ValueError:
         return None
+
+
+def _gpu(count: float) -> dict[str, float]:
+    return {"GPU": float(count)} if count else {}
 
 
 def actor_strategy(group: PlacementGroup | None, bundle: int) -> dict[str, Any]:

@@ -63,13 +63,22 @@ def run_train_stage(ctx: StageContext) -> dict[str, Any]:
         fleet.detach()
 
 
+def _rank_gpus(recipe: Any) -> list[float]:
+    """What each trainer rank asks of its bundle (core/placement.py: a GPU, a share, or none)."""
+    from milepost.core.placement import placement_for
+    from milepost.core.train.torch_backend import RANK_NUM_CPUS
+    placement = placement_for(recipe, RANK_NUM_CPUS)
+    return [placement.rank_gpus(r) for r in range(recipe.train.num_ranks)]
+
+
 def _train(ctx: StageContext, fleet: Any, tokenizer: Any, start_path: str) -> dict[str, Any]:
     recipe, store, block, last_step = ctx.recipe, ctx.store, ctx.block, ctx.last_step()
     extensions = resolve_extensions(recipe)  # before the ranks start: a broken plugin costs nothing
     backend = create_backend(start_path, recipe.train, trainer_algo(recipe.algo),
                              temperature=recipe.rollout.temperature, seed=recipe.seed,
                              total_steps=recipe.campaign.num_blocks * recipe.campaign.steps_per_block,
-                             placement_group=fleet.placement_group, precision=recipe.precision.train)
+                             placement_group=fleet.placement_group, precision=recipe.precision.train,
+                             rank_gpus=_rank_gpus(recipe))
     sinks = open_sinks(recipe, store)
     try:
         state = _restore(ctx, backend)

@@ -102,6 +102,7 @@ class Fleet:
         self.supervisor = FleetSupervisor(self, cfg)
         self.placement_group: Any = None  # core/placement.py: engine i runs on engine_bundles[i]
         self.engine_bundles: list[int] | None = None
+        self.engine_gpu_requests: list[float] | None = None  # what each engine asks of its bundle
         self.colocated = False  # engines share the trainer's devices: SGLang gets --enable-memory-saver
         self.lora: LoraConfig | None = None  # train.lora: engines take adapters; `served` may be one
         self.precision = "fp32"  # precision.rollout: the engines' --dtype / --quantization (core/quant/modes.py)
@@ -124,6 +125,7 @@ class Fleet:
             fleet.colocated = placement.mode == "colocated"
             fleet.placement_group = ensure_group(placement)
             fleet.engine_bundles = [placement.engine_bundle(i) for i in range(num_engines)]
+            fleet.engine_gpu_requests = [placement.engine_gpu_request(i) for i in range(num_engines)]
         fleet.engine_command(load_delay_s)  # refuses what the chosen engine cannot honour, before any launch
         fleet.clients = [None] * num_engines  # type: ignore[list-item]  # filled by admission
         fleet.engine_urls, fleet.actors = [""] * num_engines, [None] * num_engines
@@ -154,6 +156,7 @@ class Fleet:
         fleet.precision = doc.get("precision", "fp32")
         if doc.get("engine_bundles") is not None:
             fleet.placement_group, fleet.engine_bundles = find_group(), list(doc["engine_bundles"])
+            fleet.engine_gpu_requests = doc.get("engine_gpu_requests")
         fleet.colocated = bool(doc.get("colocated", False))
         slots = [fleet._adopted_slot(e, path, str(version)) for e in doc["engines"]]
         fleet.clients = [s.client for s in slots]
@@ -243,7 +246,7 @@ class Fleet:
     def engine_placement(self, index: int) -> dict[str, Any]:
         """Ray options putting engine `index` on its placement-group bundle (none without one),
         with the GPUs it takes there (SGLang TP=k: k; Ray then sets its CUDA_VISIBLE_DEVICES)."""
-        gpus = engine_gpus(self.cfg)
+        gpus = self.engine_gpu_requests[index] if self.engine_gpu_requests else engine_gpus(self.cfg)
         options: dict[str, Any] = {"num_gpus": gpus} if gpus else {}
         if self.engine_bundles is None:
             return options
@@ -259,6 +262,7 @@ class Fleet:
                       "log_path": self.router.log_path if self.router else None}
             return {"engines": engines, "router": router, "served": list(self.served),
                     "log_dir": self.log_dir, "host": self.host, "engine_bundles": self.engine_bundles,
+                    "engine_gpu_requests": self.engine_gpu_requests,
                     "colocated": self.colocated, "base_model_path": self.base_model_path,
                     "lora": self.lora.model_dump() if self.lora else None, "precision": self.precision}
 

@@ -211,9 +211,12 @@ def engine_command(cfg: RolloutConfig, model_path: str, weight_version: str, *, 
     return cmd
 
 
-def engine_gpus(cfg: RolloutConfig) -> int:
-    """GPUs one engine asks of its placement bundle: SGLang TP=k takes k, the built-in none."""
-    return cfg.engine_tensor_parallel if cfg.engine == "sglang" else 0
+def engine_gpus(cfg: RolloutConfig, gpus: bool = False) -> int:
+    """GPUs one engine takes: SGLang TP=k takes k; the built-in one where the cluster has GPUs
+    (its fast path, core/engine/fast_path.py), else none."""
+    if cfg.engine == "sglang":
+        return cfg.engine_tensor_parallel
+    return 1 if gpus else 0
 
 
 def write_admin_config(key: str, directory: str, name: str = "engine-admin.yaml") -> str:

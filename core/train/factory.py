@@ -8,14 +8,16 @@ from milepost.core.config import AlgoConfig, TrainConfig
 
 
 def create_backend(model_path: str, train_cfg: TrainConfig, algo_cfg: AlgoConfig, temperature: float, seed: int,
-                   total_steps: int | None = None, placement_group: Any = None, precision: str = "fp32") -> Any:
+                   total_steps: int | None = None, placement_group: Any = None, precision: str = "fp32",
+                   rank_gpus: list[float] | None = None) -> Any:
     """A started TrainBackend: TorchBackend for "torch", MegatronBackend for "megatron".
-    `placement_group` (core/placement.py) places the ranks on their bundles; `precision` is
-    precision.train (core/train/precision.py)."""
+    `placement_group` (core/placement.py) places the ranks on their bundles, each asking
+    `rank_gpus[r]` GPUs of it (Placement.rank_gpus; the torch backend trains on CPU);
+    `precision` is precision.train (core/train/precision.py)."""
     if train_cfg.backend == "megatron":
         from milepost.core.train.megatron.backend import MegatronBackend
         return MegatronBackend.create(model_path, train_cfg, algo_cfg, temperature, seed, total_steps,
-                                      placement_group=placement_group, precision=precision)
+                                      placement_group=placement_group, precision=precision, rank_gpus=rank_gpus)
     if train_cfg.backend == "torch":
         from milepost.core.train.torch_backend import TorchBackend
         return TorchBackend.create(model_path, train_cfg, algo_cfg, temperature, seed, total_steps,

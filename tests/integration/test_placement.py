@@ -98,3 +98,35 @@ def test_sglang_engines_get_gpu_bundles_and_their_devices(model, tmp_path) -> No
             ray.get(a.stop.remote(), timeout=30)
             ray.kill(a, no_restart=True)
         remove_placement_group(fleet.placement_group)
+
+
+def test_on_gpus_a_colocated_rank_and_builtin_engine_share_one_gpu(model, tmp_path) -> None:
+    """A cluster with GPUs: colocated, rank 0 and the built-in engine each ask half of bundle
+    0's one GPU, so Ray shows both the same device (an actor asking none would see none);
+    disaggregated, every rank and engine gets a GPU of its own."""
+    from milepost.core.engine.actor import EngineActor
+    from milepost.core.engine.launcher import engine_command, engine_gpus
+    from milepost.core.placement import actor_strategy
+
+    cfg = RolloutConfig(num_engines=1)
+    apart = Placement("disaggregated", 2, 1, RANK_NUM_CPUS, engine_gpus(cfg, True), gpus=True)
+    assert [b.get("GPU") for b in apart.bundles()] == [1.0, 1.0, 1.0]
+    assert [apart.rank_gpus(r) for r in range(2)] == [1.0, 1.0] and apart.engine_gpu_request(0) == 1.0
+    placement = Placement("colocated", 1, 1, RANK_NUM_CPUS, engine_gpus(cfg, True), gpus=True)
+    assert placement.bundles() == [{"CPU": RANK_NUM_CPUS + ENGINE_CPUS, "GPU": 1.0}]
+    assert placement.rank_gpus(0) == placement.engine_gpu_request(0) == 0.5
+    fleet = Fleet(model, "0", cfg, "127.0.0.1", log_dir=str(tmp_path))  # not started: its options only
+    fleet.placement_group = ensure_group(placement)
+    fleet.engine_bundles, fleet.engine_gpu_requests = [0], [placement.engine_gpu_request(0)]
+    rank = ray.remote(lambda: __import__("os").environ.get("CUDA_VISIBLE_DEVICES", "")).options(
+        num_cpus=RANK_NUM_CPUS, num_gpus=placement.rank_gpus(0), **actor_strategy(fleet.placement_group, 0))
+    actor = EngineActor.options(**fleet.engine_placement(0)).remote(str(tmp_path / "e0.log"))
+    try:
+        pid = ray.get(actor.launch.remote(engine_command(cfg, model, "0", colocated=True, host="127.0.0.1")),
+                      timeout=120)[1]
+        seen_by_rank = ray.get(rank.remote(), timeout=60)
+        assert seen_by_rank and _environ(pid)["CUDA_VISIBLE_DEVICES"] == seen_by_rank
+    finally:
+        ray.get(actor.stop.remote(), timeout=30)
+        ray.kill(actor, no_restart=True)
+        remove_placement_group(fleet.placement_group)

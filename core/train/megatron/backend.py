@@ -54,7 +54,7 @@ class MegatronBackend(Rank0WeightSource):
     @classmethod
     def create(cls, model_path: str, train_cfg: TrainConfig, algo_cfg: AlgoConfig, temperature: float,
                seed: int, total_steps: int | None = None, placement_group: Any = None,
-               precision: str = "fp32") -> MegatronBackend:
+               precision: str = "fp32", rank_gpus: list[float] | None = None) -> MegatronBackend:
         """`placement_group` (core/placement.py): rank r runs on its bundle r (CPU bundles:
         those ranks ask for no GPU); without one, a rank takes a GPU when the cluster has one each.
         `precision`: precision.train."""
@@ -62,7 +62,11 @@ class MegatronBackend(Rank0WeightSource):
         world = train_cfg.num_ranks
         gpus = 1 if placement_group is None and ray.cluster_resources().get("GPU", 0) >= world else 0
         actor_cls = ray.remote(num_cpus=RANK_NUM_CPUS, num_gpus=gpus)(MegatronRankWorker)
-        actors = [actor_cls.options(**actor_strategy(placement_group, r)).remote(
+        if placement_group is not None and rank_gpus:  # Placement.rank_gpus: a share of a bundle's GPU
+            gpus_of = lambda r: {"num_gpus": rank_gpus[r]}
+        else:
+            gpus_of = lambda r: {}
+        actors = [actor_cls.options(**actor_strategy(placement_group, r), **gpus_of(r)).remote(
                       r, world, model_path, train_cfg, algo_cfg, temperature, seed, total_steps, precision)
                   for r in range(world)]
         backend = cls(actors, [], train_cfg, model_path)
