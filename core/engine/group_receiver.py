@@ -79,7 +79,7 @@ class GroupReceiver:
         staged = flat is None  # then received into the reused buffer, copied to the shadows after
         if staged:
             if self._flat is None or self._flat.numel() < total:
-                self._flat = torch.empty(total, dtype=torch.uint8)
+                self._flat = torch.empty(total, dtype=torch.uint8, device=self._device())
             flat = self._flat[:total].view(wire.parse_dtype(specs[0]["dtype"]))
         self._wait([dist.broadcast(p, src=0, group=pg, async_op=True) for p in groups.flat_pieces(flat, streams)])
         for s, o in zip(specs, offs) if keep and staged else ():
@@ -92,7 +92,7 @@ class GroupReceiver:
             dtype = wire.parse_dtype(s["dtype"])
             target = self.receiver.shadow(s["name"]) if keep else None
             if target is None or target.dtype != dtype:  # receive as sent, convert after
-                target = torch.empty(s["shape"], dtype=dtype)
+                target = torch.empty(s["shape"], dtype=dtype, device=self._device())
             bufs.append(target)
             works.append(dist.broadcast(target, src=0, group=pg, async_op=True))
         self._wait(works)
@@ -100,6 +100,10 @@ class GroupReceiver:
             shadow = self.receiver.shadow(s["name"])
             if b is not shadow:
                 shadow.copy_(b)
+
+    def _device(self) -> torch.device:
+        """Where the weights live: nccl receives into CUDA memory, gloo into host memory."""
+        return next(self.receiver.sched.model.parameters()).device
 
     def _wait(self, works: list[Any]) -> None:
         timeout_s = self.receiver.group_timeout_s
