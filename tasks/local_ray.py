@@ -9,6 +9,7 @@ when another cluster holds them: two campaigns on one machine never share a port
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -43,12 +44,29 @@ def free_ray_ports(campaign_id: str, num_tries: int = 20) -> RayPorts:
     raise RuntimeError(f"no free Ray port slot after {num_tries} tries; other Ray clusters hold them")
 
 
+def local_gpu_count() -> int:
+    """NVIDIA GPUs this machine gives the block (CUDA_VISIBLE_DEVICES when set, else what
+    `nvidia-smi -L` lists; 0 without a driver): the head declares them, so engines and
+    trainer ranks are placed on them (core/placement.py)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.splitlines())
+
+
 def head_command(ports: RayPorts, temp_dir: str) -> list[str]:
     k = ports.node_base
     return [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
             f"--port={ports.gcs}", f"--dashboard-port={ports.dashboard}", "--include-dashboard=false",
             f"--ray-client-server-port={ports.client_server}", f"--temp-dir={temp_dir}",
-            f"--num-cpus={NUM_CPUS}", "--num-gpus=0", f"--min-worker-port={ports.min_worker}",
+            f"--num-cpus={NUM_CPUS}", f"--num-gpus={local_gpu_count()}", f"--min-worker-port={ports.min_worker}",
             f"--max-worker-port={ports.max_worker}", f"--dashboard-agent-listen-port={k}",
             f"--dashboard-agent-grpc-port={k + 1}", f"--metrics-export-port={k + 2}",
             f"--runtime-env-agent-port={k + 3}", "--disable-usage-stats"]
