@@ -6,8 +6,8 @@ a GET on a POST-only route, which runs nothing: 405 means the route exists, 404 
 build lacks it (older SGLang builds have no `/begin_weight_update`; the model-info route is
 `/model_info` in newer builds and `/get_model_info` in older ones, so either is enough).
 Routes that also answer GET (`/flush_cache`, `/release_memory_occupation`, …) would act on
-a GET and are never probed. Nothing of `/server_info` but the version is kept: SGLang's
-reply carries its server arguments.
+a GET and are never probed. Nothing of `/server_info` but the version and the device is
+kept: SGLang's reply carries its server arguments.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ class EngineRefused(RuntimeError):
 class EngineCapabilities:
     version: str
     model_info_route: str
+    device: str = ""  # /server_info `device` ("cuda", "cpu"; "" when not reported)
 
 
 def probe_engine(url: str, engine: str, admin_key: str | None = None, timeout_s: float = 10.0) -> EngineCapabilities:
@@ -45,7 +46,8 @@ def probe_engine(url: str, engine: str, admin_key: str | None = None, timeout_s:
         if info.status_code != 200:
             raise EngineRefused(f"{engine} engine at {url}: GET /server_info answered {info.status_code}; "
                                 "milepost needs an SGLang 0.5.23-compatible server")
-        reported = info.json().get("version") if isinstance(info.json(), dict) else None
+        body = info.json() if isinstance(info.json(), dict) else {}
+        reported, device = body.get("version"), str(body.get("device") or "")
         version = str(reported) if reported else ("milepost built-in" if engine == "builtin" else "unknown")
         missing = [route for route in REQUIRED_POST_ROUTES if http.get(route).status_code == 404]
         model_info = next((r for r in MODEL_INFO_ROUTES if http.get(r).status_code == 200), None)
@@ -55,4 +57,4 @@ def probe_engine(url: str, engine: str, admin_key: str | None = None, timeout_s:
         raise EngineRefused(f"{engine} engine at {url} (version {version}) lacks {', '.join(missing)}: milepost "
                             "drives SGLang 0.5.23's weight-update protocol; install that build "
                             "(pip install 'milepost[sglang]') or a newer one")
-    return EngineCapabilities(version, model_info)
+    return EngineCapabilities(version, model_info, device)

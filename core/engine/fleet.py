@@ -175,7 +175,7 @@ class Fleet:
                     engine["log_path"], path, version, self.engine_client(engine["url"]),
                     state="serving" if actor is not None else "dead", name=engine["name"])
         slot.reason = "" if actor is not None else f"actor {engine['name']} not found"
-        slot.version = engine.get("version", "")
+        slot.version, slot.device = engine.get("version", ""), engine.get("device", "")
         return slot
 
     def engine_client(self, url: str) -> EngineClient:
@@ -256,7 +256,8 @@ class Fleet:
         """What finds this (detached) fleet again: actor names, URLs, pids, served weights."""
         with self.lock:
             engines = [{"index": s.index, "generation": s.generation, "name": s.name, "url": s.url,
-                        "pid": s.pid, "log_path": s.log_path, "version": s.version} for s in self.supervisor.slots]
+                        "pid": s.pid, "log_path": s.log_path, "version": s.version, "device": s.device}
+                       for s in self.supervisor.slots]
             router = {"name": self.router_name,
                       "url": self.router_url, "pid": self.router_pid,
                       "log_path": self.router.log_path if self.router else None}

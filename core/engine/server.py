@@ -141,7 +141,9 @@ class Scheduler:
         if slow_reason is None:
             fast = build_generator(self, self.model, eos, decode)
             self.context_len, self.driver = fast.max_len, ContinuousDriver(self, fast)
-        log.info("engine on %s, %s, %s", device, dtype, "fast path" if self.driver else f"HF path ({slow_reason})")
+        # printed, not logged: the engine's log (the fleet keeps its stdout) says where it serves
+        print(f"engine on {device}, {dtype}, " + (f"fast path: {self.driver.gen.num_slots} slots x "
+              f"{self.driver.gen.max_len} tokens" if self.driver else f"HF path ({slow_reason})"), flush=True)
         if self.routed_experts:
             self.generator.route_tap = RouterTap.install(self.model)
             if self.generator.route_tap is None:

@@ -94,6 +94,7 @@ class Slot:
     timings: dict[str, float] = field(default_factory=dict)
     name: str = ""  # the actor's Ray name when the fleet is detached, else ""
     version: str = ""  # the engine build, read at admission (core/engine/admission.py)
+    device: str = ""  # where it serves ("cuda", "cpu"), read at admission
 
 
 class FleetSupervisor:
@@ -248,7 +249,8 @@ class FleetSupervisor:
         """First healthy answer: current weights, client installed, router registration."""
         slot.timings["healthy"] = time.monotonic()
         try:
-            slot.version = probe_engine(slot.url, self.cfg.engine, self.fleet._admin_key).version
+            caps = probe_engine(slot.url, self.cfg.engine, self.fleet._admin_key)
+            slot.version, slot.device = caps.version, caps.device
         except EngineRefused as e:  # a build without what milepost drives: restarting it cannot help
             with self._lock:
                 slot.state, slot.reason = "dead", str(e)

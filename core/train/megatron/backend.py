@@ -15,6 +15,7 @@ stage, tensor by tensor, then one index (or a single model.safetensors).
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from milepost.core.train.torch_backend import (
 )
 from milepost.core.types import Sample
 
+log = logging.getLogger(__name__)
 MAX_SHARD_BYTES = 5 * 2**30
 HF_SIDE_FILES = ("config.json",) + TOKENIZER_FILES
 
@@ -73,6 +75,7 @@ class MegatronBackend(Rank0WeightSource):
         try:
             port = ray.get(actors[0].free_port.remote())
             backend.infos = ray.get([a.setup.remote(port) for a in actors])
+            log.info("megatron: %d rank(s) on %s", world, sorted({i["device"] for i in backend.infos}))
         except Exception:
             backend.shutdown()
             raise

@@ -147,7 +147,7 @@ class MegatronRankWorker(SenderRank):
             for c in self.ref:
                 c.requires_grad_(False).eval()
         return {"tp_rank": self.tp_rank, "pp_rank": self.pp_rank, "dp_rank": self.dp_rank,
-                "reporter": int(self._reports())}
+                "reporter": int(self._reports()), "device": str(self.device)}
 
     def _attach_lora(self, chunks: list[Any]) -> list[Any] | None:
         """train.lora: freeze the chunks and hook an adapter onto each layer (megatron/lora.py)."""
