@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from milepost.core.engine.weight_receiver import copy_all
 from milepost.core.weight_sync import sglang_wire, wire
 
 RESULTS = Path(__file__).parent / "results" / "cuda_ipc_sync.txt"
@@ -62,8 +63,8 @@ def trainer(conn, results, specs: list[wire.Spec], bucket_bytes: int, pushes: in
         for bucket in plan:
             offs, total = wire.offsets(bucket)
             t0 = time.perf_counter()
-            for spec, off in zip(bucket, offs):
-                wire.view(flat, off, spec).copy_(weights[spec["name"]])
+            torch._foreach_copy_([wire.view(flat, off, spec) for spec, off in zip(bucket, offs)],
+                                 [weights[spec["name"]] for spec in bucket])  # one multi-tensor copy
             torch.cuda.synchronize()  # only to time the phases apart (a push needs no sync here)
             t1 = time.perf_counter()
             payload = sglang_wire.encode(flat[:total], bucket)
@@ -91,8 +92,7 @@ def engine(conn, specs: list[wire.Spec], keep_mappings: bool) -> None:  # noqa: 
         flat, got = sglang_wire.decode(base64.b64decode(payload))
         torch.cuda.synchronize()
         t1 = time.perf_counter()
-        for spec in got:
-            mine[spec["name"]].copy_(wire.view(flat, spec["offset"], spec))
+        copy_all([mine[spec["name"]] for spec in got], [wire.view(flat, spec["offset"], spec) for spec in got])
         torch.cuda.synchronize()
         t2 = time.perf_counter()
         raw = flat.view(torch.uint8)  # diagnostics: the same bytes as one copy from the mapped
