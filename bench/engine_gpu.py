@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from cuda_ipc_sync import device_copy_s  # bench/ is on the path when run as a script
 from milepost.core.engine.continuous import ContinuousGenerator
 from milepost.core.engine.generation import SamplingParams, Sequence
 from milepost.core.engine.static_model import kv_bytes_per_token
@@ -48,15 +49,7 @@ def qwen2_05b() -> torch.nn.Module:
 
 def copy_bandwidth(nbytes: int = 2**31, repeats: int = 10) -> float:
     """Device copy, bytes read + written per second (FACTS.md's convention)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    return 2 * nbytes * repeats / (time.perf_counter() - start)
+    return 2 * nbytes / device_copy_s(nbytes, repeats)
 
 
 def prompts(batch: int, vocab: int) -> list[list[int]]:
