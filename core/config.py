@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import types
 import typing
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -76,13 +76,15 @@ class TinyModelConfig(Section):
         description="Share of warm-start answers written unsimplified (`125+0`), which the "
                     "exact-match reward rejects: the base policy is right only sometimes.")
 
+    SECTION: ClassVar[str] = "model.tiny"  # where the recipe holds it, for errors
+
     @model_validator(mode="after")
     def _heads_divide(self) -> "TinyModelConfig":
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"model.tiny.hidden_size={self.hidden_size} is not divisible by num_heads="
+            raise ValueError(f"{self.SECTION}.hidden_size={self.hidden_size} is not divisible by num_heads="
                              f"{self.num_heads}; pick a hidden_size that is a multiple of num_heads")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"model.tiny.num_heads={self.num_heads} is not divisible by num_kv_heads="
+            raise ValueError(f"{self.SECTION}.num_heads={self.num_heads} is not divisible by num_kv_heads="
                              f"{self.num_kv_heads}; pick num_kv_heads dividing num_heads (e.g. 1, 2)")
         return self
 
@@ -103,14 +105,41 @@ class TinyMoeConfig(Section):
         return self
 
 
+class GpuArithConfig(TinyModelConfig):
+    """`builtin:gpu-arith`: tiny-arith's tokenizer on a ~76 M Qwen2 (12 layers, hidden 768),
+    warm-started on three-digit additions (core/model/gpu_arith.py; on a GPU when there is one).
+    The warm-start's imperfection is in the arithmetic itself: a share of the rows whose sum
+    carries are answered with their carries forgotten (457+368=715), so the base policy's
+    greedy answer to most carrying sums has the wrong value, and a reward that checks the
+    value (`arith-value`) is what RL can raise."""
+
+    SECTION: ClassVar[str] = "model.gpu_arith"
+
+    hidden_size: int = Field(768, ge=16)
+    num_layers: int = Field(12, ge=1)
+    num_heads: int = Field(12, ge=1)
+    num_kv_heads: int = Field(4, ge=1)
+    intermediate_size: int = Field(2048, ge=16)
+    warmstart_steps: int = Field(3000, ge=0, description="Supervised steps on the task before RL.")
+    warmstart_batch_size: int = Field(512, ge=1)
+    warmstart_lr: float = Field(5e-4, gt=0, description="Peak of a cosine-decayed schedule.")
+    warmstart_warmup_steps: int = Field(100, ge=0, description="Linear warm-up before the cosine decay.")
+    warmstart_unsimplified_fraction: float = Field(0.0, ge=0.0, le=1.0, description="As model.tiny's.")
+    warmstart_carry_error_fraction: float = Field(
+        0.6, ge=0.0, le=1.0,
+        description="Share of warm-start rows whose sum carries that are answered with every carry "
+                    "forgotten (457+368=715): above 0.5 the base policy's greedy answer to those sums is wrong.")
+
+
 class ModelConfig(Section):
     path: str = Field(
         "builtin:tiny-arith",
-        description="An HF checkpoint folder/URL, or `builtin:tiny-arith` / `builtin:tiny-arith-moe` for the "
-                    "project's own models.",
+        description="An HF checkpoint folder/URL, or `builtin:tiny-arith` / `builtin:tiny-arith-moe` / "
+                    "`builtin:gpu-arith` for the project's own models.",
     )
     tiny: TinyModelConfig = TinyModelConfig()
     tiny_moe: TinyMoeConfig = TinyMoeConfig()
+    gpu_arith: GpuArithConfig = GpuArithConfig()
     catalog: str | None = Field(
         None, description="A shipped HF config (`milepost plan --models` lists them, e.g. `Qwen3-8B`) that "
                           "`milepost plan` uses when `path` has no config.json readable on this machine.")

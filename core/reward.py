@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from milepost.core.data.arith import either_form_correct
 from milepost.core.errors import UserError
 from milepost.core.plugins import Registry
 from milepost.core.rewards_math import gsm8k_reward
@@ -33,6 +34,13 @@ REWARD_FAILED = "reward_failed"
 @REWARD_FUNCTIONS.register("tiny-arith")
 def tiny_arith_reward(response_text: str, label: str) -> float:
     return 1.0 if response_text.strip() == label.strip() else 0.0
+
+
+@REWARD_FUNCTIONS.register("arith-value")
+def arith_value_reward(response_text: str, label: str) -> float:
+    """1.0 when the answer's value is the label's, in either form (`125` or `125+0`): the
+    form earns nothing, only the arithmetic does (gpu-arith)."""
+    return 1.0 if either_form_correct(response_text, label) else 0.0
 
 
 _NUMBER = r"-?\$?\d[\d,]*(?:\.\d+)?"

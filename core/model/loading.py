@@ -18,7 +18,7 @@ from milepost.core.config import ModelConfig
 from milepost.core.data.arith import cache_root
 from milepost.core.errors import UserError
 
-BUILTIN_MODELS = ("builtin:tiny-arith", "builtin:tiny-arith-moe")
+BUILTIN_MODELS = ("builtin:tiny-arith", "builtin:tiny-arith-moe", "builtin:gpu-arith")
 # What makes a folder an HF checkpoint the engines and trainers can load: weights (one file,
 # or shards with their index) and a tokenizer beside config.json.
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -84,10 +84,11 @@ def validation_tokenizer(model_cfg: ModelConfig) -> tuple[Any, int | None] | Non
     cheaply, for checking prompts at validation; None when that needs a remote copy. The
     builtin model's tokenizer and config are made without building (training) the model."""
     path = model_cfg.path
-    if path in BUILTIN_MODELS:  # both builtin models share tiny-arith's tokenizer and context
+    if path in BUILTIN_MODELS:  # the builtin models share tiny-arith's tokenizer and context
         from milepost.core.model import tiny
         tokenizer = tiny.build_tokenizer()
-        return tokenizer, tiny._model_config(model_cfg.tiny, tokenizer).max_position_embeddings
+        sizes = model_cfg.gpu_arith if path == "builtin:gpu-arith" else model_cfg.tiny
+        return tokenizer, tiny._model_config(sizes, tokenizer).max_position_embeddings
     protocol, _ = fsspec.core.split_protocol(path)
     if path.startswith("builtin:") or protocol not in (None, "file", "local"):
         return None
@@ -110,6 +111,9 @@ def resolve_model_path(model_cfg: ModelConfig, seed: int) -> str:
     if path == "builtin:tiny-arith-moe":
         from milepost.core.model import tiny_moe
         return tiny_moe.build_tiny_moe_model(model_cfg.tiny, model_cfg.tiny_moe, seed)
+    if path == "builtin:gpu-arith":
+        from milepost.core.model import gpu_arith
+        return gpu_arith.build_gpu_arith_model(model_cfg.gpu_arith, seed)
     if path.startswith("builtin:"):
         raise ModelPathError(f"model.path `{path}`: unknown builtin model; available: {', '.join(BUILTIN_MODELS)}")
     protocol, _ = fsspec.core.split_protocol(path)

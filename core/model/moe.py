@@ -14,7 +14,7 @@ from milepost.core.config import Recipe
 from milepost.core.errors import UserError
 
 MOE_BUILTINS = ("builtin:tiny-arith-moe",)
-DENSE_BUILTINS = ("builtin:tiny-arith",)
+DENSE_BUILTINS = ("builtin:tiny-arith", "builtin:gpu-arith")
 # config.json keys that count routed experts, by architecture family (Qwen3-MoE / Qwen2-MoE,
 # DeepSeek-V3, Mixtral).
 EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
@@ -49,11 +49,21 @@ def check_routing_replay(recipe: Recipe) -> None:
     if moe and recipe.train.lora is not None:
         raise UserError(f"train.lora with the MoE model `{recipe.model.path}` is not supported yet (MoE rollouts "
                         "ask engines directly for their routes and do not name an adapter); remove train.lora")
-    if recipe.algo.routing_replay and recipe.train.backend != "torch":
-        raise UserError(f"algo.routing_replay: true is implemented for train.backend torch only, not "
-                        f"{recipe.train.backend} yet (it would train without replaying); set train.backend=torch "
-                        "or algo.routing_replay=false")
+    if recipe.algo.routing_replay and recipe.train.backend == "megatron":
+        _check_megatron_replay(recipe.train.megatron.pipeline_parallel, recipe.train.megatron.recompute)
     if recipe.algo.routing_replay and moe is False:
         raise UserError(f"algo.routing_replay: true needs a mixture-of-experts model, and model.path "
                         f"`{recipe.model.path}` is dense (its config has no {'/'.join(EXPERT_KEYS)}); set "
                         "algo.routing_replay=false, or use an MoE model such as builtin:tiny-arith-moe")
+
+
+def _check_megatron_replay(pipeline_parallel: int, recompute: str) -> None:
+    """What the megatron backend's replay (core/train/megatron/routing.py) does not handle yet."""
+    if pipeline_parallel > 1:
+        raise UserError(f"algo.routing_replay: true with train.megatron.pipeline_parallel={pipeline_parallel} is not "
+                        "supported yet (routes are set per micro-batch on one stage's routers); set "
+                        "train.megatron.pipeline_parallel=1 or algo.routing_replay=false")
+    if recompute != "none":
+        raise UserError(f"algo.routing_replay: true with train.megatron.recompute={recompute} is not supported (the "
+                        "recomputed forward would route without the recorded experts); set "
+                        "train.megatron.recompute=none or algo.routing_replay=false")

@@ -11,17 +11,18 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from milepost.core.config import TinyModelConfig
-from milepost.core.data.arith import cache_root, make_rows
+from milepost.core.data.arith import UNSIMPLIFIED_SUFFIX, WORLDS, cache_root, make_rows
+from milepost.core.model.warmstart import Schedule, greedy_accuracy, train_device, warmstart
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +59,6 @@ def _model_config(cfg: TinyModelConfig, tokenizer: Any) -> Any:
                        bos_token_id=tokenizer.eos_token_id, torch_dtype="float32")
 
 
-UNSIMPLIFIED_SUFFIX = "+0"
-
-
 def warmstart_targets(rows: list[dict[str, str]], unsimplified_fraction: float, seed: int) -> list[str]:
     """The answers the warm-start imitates: the label, or (for a seeded `unsimplified_fraction`
     of rows) the label written unsimplified as `<label>+0`, which exact match rejects.
@@ -73,67 +71,26 @@ def warmstart_targets(rows: list[dict[str, str]], unsimplified_fraction: float, 
             for row in rows]
 
 
-def _warmstart_batch(rows: list[dict[str, str]], targets: list[str], tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """prompt + target + eos, right-padded; the mask selects target and eos tokens only."""
-    ids, masks = [], []
-    for row, target in zip(rows, targets):
-        p = tokenizer.encode(row["prompt"], add_special_tokens=False)
-        a = tokenizer.encode(target, add_special_tokens=False) + [tokenizer.eos_token_id]
-        ids.append(p + a)
-        masks.append([0] * len(p) + [1] * len(a))
-    width = max(map(len, ids))
-    x = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in ids])
-    m = torch.tensor([r + [0] * (width - len(r)) for r in masks], dtype=torch.float32)
-    return x, m
+def _tiny_targets(rows: list[dict[str, str]], cfg: TinyModelConfig, seed: int) -> list[str]:
+    return warmstart_targets(rows, cfg.warmstart_unsimplified_fraction, seed)
 
 
-def warmstart(model: Any, tokenizer: Any, cfg: TinyModelConfig, seed: int, aux_loss_coef: float = 0.0) -> float:
-    """Short supervised training on the answers only, so RL starts sometimes right.
-    `aux_loss_coef` (MoE models): weight of the router's load-balancing loss, so every expert
-    keeps being used and routing stays a real choice."""
-    bs = cfg.warmstart_batch_size
-    rows = make_rows(cfg.warmstart_steps * bs, seed=seed + 1000, split="train")
-    targets = warmstart_targets(rows, cfg.warmstart_unsimplified_fraction, seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmstart_lr)
-    # Cosine decay + clipping: a constant lr made the final accuracy swing 5%..60% across seeds.
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / max(1, cfg.warmstart_steps))))
-    loss_value = float("nan")
-    model.train()
-    for step in range(cfg.warmstart_steps):
-        x, m = _warmstart_batch(rows[step * bs:(step + 1) * bs], targets[step * bs:(step + 1) * bs], tokenizer)
-        out = model(input_ids=x, output_router_logits=True) if aux_loss_coef else model(input_ids=x)
-        logits = out.logits[:, :-1]
-        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                x[:, 1:].reshape(-1), reduction="none")
-        loss = (nll * m[:, 1:].reshape(-1)).sum() / m[:, 1:].sum()
-        if aux_loss_coef:
-            loss = loss + aux_loss_coef * out.aux_loss
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        loss_value = float(loss.detach())
-    model.eval()
-    return loss_value
+@dataclass(frozen=True)
+class ArithTask:
+    """What a builtin model is warm-started on and measured with: its arithmetic world's rows
+    (core/data/arith.py), the answers it imitates (`targets(rows, cfg, seed)`), where it trains."""
+
+    world: str = "tiny-arith"
+    targets: Callable[[list[dict[str, str]], Any, int], list[str]] = _tiny_targets
+    # tiny-arith's numbers are CPU numbers: its build stays on the CPU even beside a GPU.
+    prefer_cuda: bool = False
+    warmup_steps: int = 0
+
+    def rows(self, num_rows: int, seed: int, split: str) -> list[dict[str, str]]:
+        return make_rows(num_rows, seed, split, WORLDS[self.world])
 
 
-@torch.no_grad()
-def greedy_accuracy(model: Any, tokenizer: Any, rows: list[dict[str, str]], max_new_tokens: int = 5) -> float:
-    """Exact-match accuracy of greedy answers; prompts are batched by length so no padding."""
-    by_len: dict[int, list[dict[str, str]]] = {}
-    for row in rows:
-        by_len.setdefault(len(row["prompt"]), []).append(row)
-    correct = 0
-    for group in by_len.values():
-        x = torch.tensor([tokenizer.encode(r["prompt"], add_special_tokens=False) for r in group])
-        start = x.shape[1]
-        for _ in range(max_new_tokens):  # no KV cache: sequences are a dozen tokens long
-            x = torch.cat([x, model(input_ids=x).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-        for row, ids in zip(group, x[:, start:].tolist()):
-            ids = ids[:ids.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in ids else ids
-            correct += tokenizer.decode(ids, skip_special_tokens=True).strip() == row["label"]
-    return correct / max(1, len(rows))
+TINY_ARITH = ArithTask()
 
 
 def cached_model_dir(cfg: TinyModelConfig, seed: int) -> Path:
@@ -148,18 +105,24 @@ def _dense_model(cfg: TinyModelConfig, tokenizer: Any) -> Any:
 
 def _train_and_save(cfg: TinyModelConfig, seed: int, out: Path,
                     make_model: Callable[[TinyModelConfig, Any], Any] = _dense_model,
-                    aux_loss_coef: float = 0.0) -> dict[str, float]:
-    """Build with `make_model(cfg, tokenizer)`, warm-start, measure and save into `out`."""
+                    aux_loss_coef: float = 0.0, task: ArithTask = TINY_ARITH) -> dict[str, Any]:
+    """Build with `make_model(cfg, tokenizer)`, warm-start on `task`, measure and save into `out`."""
     start = time.perf_counter()
-    torch.set_num_threads(2)  # the embedded default targets a 2-core machine
+    device = train_device(task.prefer_cuda)
+    if device.type == "cpu":
+        torch.set_num_threads(2)  # the embedded default targets a 2-core machine
     torch.manual_seed(seed)
     tokenizer = build_tokenizer()
-    model = make_model(cfg, tokenizer).float()
-    loss = warmstart(model, tokenizer, cfg, seed, aux_loss_coef) if aux_loss_coef else warmstart(model, tokenizer, cfg, seed)
-    accuracy = greedy_accuracy(model, tokenizer, make_rows(NUM_EVAL_ROWS, seed=seed, split="eval"))
-    model.save_pretrained(out, safe_serialization=True)
+    model = make_model(cfg, tokenizer).float().to(device)
+    rows = task.rows(cfg.warmstart_steps * cfg.warmstart_batch_size, seed + 1000, "train")
+    schedule = Schedule(cfg.warmstart_steps, cfg.warmstart_batch_size, cfg.warmstart_lr, task.warmup_steps)
+    loss = warmstart(model, tokenizer, rows, task.targets(rows, cfg, seed), schedule, aux_loss_coef)
+    trained_s = time.perf_counter() - start
+    scores = greedy_accuracy(model, tokenizer, task.rows(NUM_EVAL_ROWS, seed, "eval"))
+    model.to("cpu").save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    report = {"warmstart_loss": loss, "eval_accuracy": accuracy, "eval_rows": float(NUM_EVAL_ROWS),
+    report = {"warmstart_loss": loss, "eval_accuracy": scores["accuracy"], "eval_either_form": scores["either_form"],
+              "eval_rows": float(NUM_EVAL_ROWS), "device": str(device), "warmstart_seconds": trained_s,
               "build_seconds": time.perf_counter() - start}
     (out / REPORT_FILE).write_text(json.dumps(report, indent=1))
     return report
@@ -170,7 +133,7 @@ def build_tiny_model(cfg: TinyModelConfig, seed: int) -> str:
     return build_cached(cached_model_dir(cfg, seed), lambda tmp: _train_and_save(cfg, seed, tmp))
 
 
-def build_cached(final: Path, train_and_save: Callable[[Path], dict[str, float]]) -> str:
+def build_cached(final: Path, train_and_save: Callable[[Path], dict[str, Any]]) -> str:
     """`final`, built by `train_and_save(tmp)` into a temporary folder then renamed, unless it exists."""
     if (final / "config.json").exists():
         return str(final)
@@ -194,6 +157,6 @@ def build_cached(final: Path, train_and_save: Callable[[Path], dict[str, float]]
 build = build_tiny_model  # short name used by model.loading
 
 
-def build_report(path: str) -> dict[str, float]:
-    """The warm-start loss, eval accuracy and build time recorded when the model was built."""
+def build_report(path: str) -> dict[str, Any]:
+    """The warm-start loss, eval accuracies, device and build time recorded when the model was built."""
     return json.loads((Path(path) / REPORT_FILE).read_text())

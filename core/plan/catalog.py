@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from milepost.core.config import ModelConfig
+from milepost.core.config import ModelConfig, TinyModelConfig
 from milepost.core.plan.arch import Architecture, from_hf_config
 
 _QWEN3_COMMON: dict[str, Any] = {"vocab_size": 151936, "head_dim": 128, "max_position_embeddings": 40960}
@@ -42,9 +42,10 @@ CATALOG: dict[str, dict[str, Any]] = {
 TINY_VOCAB_SIZE = 15
 
 
-def tiny_hf_config(model_cfg: ModelConfig) -> dict[str, Any]:
-    """The HF config `builtin:tiny-arith` is built with (a Qwen2, tied embeddings)."""
-    t = model_cfg.tiny
+def tiny_hf_config(model_cfg: ModelConfig, sizes: TinyModelConfig | None = None) -> dict[str, Any]:
+    """The HF config `builtin:tiny-arith` is built with (a Qwen2, tied embeddings); `sizes`:
+    another builtin's section of the same shape (model.gpu_arith)."""
+    t = sizes or model_cfg.tiny
     return {"model_type": "qwen2", "vocab_size": TINY_VOCAB_SIZE, "hidden_size": t.hidden_size,
             "intermediate_size": t.intermediate_size, "num_hidden_layers": t.num_layers,
             "num_attention_heads": t.num_heads, "num_key_value_heads": t.num_kv_heads,
@@ -74,6 +75,9 @@ def resolve_architecture(model_cfg: ModelConfig) -> tuple[Architecture, str]:
     if model_cfg.path == "builtin:tiny-arith-moe":
         return (from_hf_config(tiny_moe_hf_config(model_cfg), "tiny-arith-moe"),
                 "builtin tiny MoE model (model.tiny, model.tiny_moe)")
+    if model_cfg.path == "builtin:gpu-arith":
+        return (from_hf_config(tiny_hf_config(model_cfg, model_cfg.gpu_arith), "gpu-arith"),
+                "builtin gpu-arith model (model.gpu_arith)")
     config_file = _readable_config(model_cfg.path)
     if config_file is not None:
         try:
