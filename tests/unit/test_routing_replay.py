@@ -174,9 +174,26 @@ def test_routing_replay_on_a_dense_model_is_refused() -> None:
         check_routing_replay(Recipe.model_validate({"algo": {"routing_replay": True}}))
     check_routing_replay(Recipe.model_validate({"algo": {"routing_replay": True},
                                                 "model": {"path": "builtin:tiny-arith-moe"}}))
-    with pytest.raises(UserError, match="train.backend torch only.*set train.backend=torch"):
-        check_routing_replay(Recipe.model_validate({"algo": {"routing_replay": True}, "train": {"backend": "megatron"},
-                                                    "model": {"path": "builtin:tiny-arith-moe"}}))
+    check_routing_replay(Recipe.model_validate({"algo": {"routing_replay": True}, "train": {"backend": "megatron"},
+                                                "model": {"path": "builtin:tiny-arith-moe"}}))
+
+
+@pytest.mark.parametrize("megatron,match", [
+    ({"pipeline_parallel": 2}, "train.megatron.pipeline_parallel=2 .*set train.megatron.pipeline_parallel=1 or "
+                               "algo.routing_replay=false"),
+    ({"recompute": "full"}, "train.megatron.recompute=full .*set train.megatron.recompute=none or "
+                            "algo.routing_replay=false"),
+])
+def test_megatron_replay_refuses_what_it_does_not_handle(megatron, match) -> None:
+    from milepost.core.config import Recipe
+    from milepost.core.errors import UserError
+    from milepost.core.model.moe import check_routing_replay
+    recipe = {"algo": {"routing_replay": True}, "model": {"path": "builtin:tiny-arith-moe"},
+              "train": {"backend": "megatron", "megatron": megatron}}
+    with pytest.raises(UserError, match=match):
+        check_routing_replay(Recipe.model_validate(recipe))
+    recipe["algo"]["routing_replay"] = False  # without replay the routes are only compared
+    check_routing_replay(Recipe.model_validate(recipe))
 
 
 def test_a_saved_moe_checkpoint_loads_into_the_live_layout(model, tmp_path) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 
 import ray
 import torch
+from milepost.core.algo import routing_replay
 from milepost.core.config import AlgoConfig, TrainConfig
 from milepost.core.train.batch import count_loss_tokens, shard_by_rank
 from milepost.core.train.megatron.converter import write_index
@@ -97,6 +98,7 @@ class MegatronBackend(Rank0WeightSource):
         if metrics[SKIPPED_METRIC]:
             log_skipped_step(step, metrics)
         metrics = engine_gap_mean(metrics, num_tokens)
+        metrics = routing_replay.finish_metrics(metrics)  # MoE: agreement, gaps with / without replay
         metrics["train/num_tokens"] = float(num_tokens)
         metrics["train/num_micro_batches"] = float(max(r["num_micro_batches"] for r in results))
         metrics["train/step"] = float(step)

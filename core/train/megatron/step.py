@@ -16,13 +16,14 @@ log_softmax / entropy as `train/logprobs.py` computes them, a chunk of rows at a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from milepost.core.algo.losses import rl_loss
 from milepost.core.config import AlgoConfig
 from milepost.core.train.batch import collate, split_micro_batches
 from milepost.core.train.megatron.head import logprobs_and_entropy, response_logits
+from milepost.core.train.megatron.routing import micro_batch_routes
 from milepost.core.types import Sample
 from torch import Tensor
 
@@ -36,12 +37,14 @@ class MicroBatch:
     pick_rows: Tensor  # [B, T]: row of the logit predicting response token t of sample i
     pick_cols: Tensor  # [B, T]: its position in that row
     batch: dict[str, Tensor]  # collate(...) of the samples: loss tensors [B, T]
+    routes: Tensor | None = None  # MoE: the engine's experts [layers, tokens, top_k] in megatron's order
 
     def to(self, device: torch.device) -> MicroBatch:
         move = lambda t: t.to(device, non_blocking=True)
         return MicroBatch(move(self.input_ids), move(self.position_ids),
                           None if self.cu_seqlens is None else move(self.cu_seqlens), self.max_seqlen,
-                          move(self.pick_rows), move(self.pick_cols), {k: move(v) for k, v in self.batch.items()})
+                          move(self.pick_rows), move(self.pick_cols), {k: move(v) for k, v in self.batch.items()},
+                          None if self.routes is None else move(self.routes))
 
 
 def pack_groups(samples: list[Sample], max_tokens: int) -> list[list[Sample]]:
@@ -60,15 +63,22 @@ def pack_groups(samples: list[Sample], max_tokens: int) -> list[list[Sample]]:
     return groups
 
 
-def _padded(samples: list[Sample], pad_id: int) -> MicroBatch:
+def _routes(samples: list[Sample], batch: dict[str, Tensor], packed: bool,
+            route_shape: tuple[int, int] | None) -> Tensor | None:
+    if route_shape is None:
+        return None
+    return micro_batch_routes(samples, packed, batch["input_ids"].shape[1], *route_shape)
+
+
+def _padded(samples: list[Sample], pad_id: int, route_shape: tuple[int, int] | None = None) -> MicroBatch:
     batch = collate(samples, pad_id)
     b, t = batch["logit_index"].shape
     rows = torch.arange(b).unsqueeze(-1).expand(b, t).contiguous()
     return MicroBatch(batch["input_ids"], batch["position_ids"], None, batch["input_ids"].shape[1],
-                      rows, batch["logit_index"], batch)
+                      rows, batch["logit_index"], batch, _routes(samples, batch, False, route_shape))
 
 
-def _packed(samples: list[Sample], pad_id: int) -> MicroBatch:
+def _packed(samples: list[Sample], pad_id: int, route_shape: tuple[int, int] | None = None) -> MicroBatch:
     batch = collate(samples, pad_id)
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     starts = torch.tensor([0] + lengths[:-1]).cumsum(0)
@@ -76,20 +86,25 @@ def _packed(samples: list[Sample], pad_id: int) -> MicroBatch:
     pos = torch.cat([torch.arange(n) for n in lengths])
     cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     cols = batch["logit_index"] + starts.unsqueeze(-1)  # junk (masked) entries stay in range
-    return MicroBatch(ids.unsqueeze(0), pos.unsqueeze(0), cu, max(lengths), torch.zeros_like(cols), cols, batch)
+    return MicroBatch(ids.unsqueeze(0), pos.unsqueeze(0), cu, max(lengths), torch.zeros_like(cols), cols, batch,
+                      _routes(samples, batch, True, route_shape))
 
 
 def build_micro_batches(samples: list[Sample], pad_id: int, pack: bool, micro_batch_size: int,
-                        micro_batch_tokens: int) -> list[MicroBatch]:
+                        micro_batch_tokens: int, route_shape: tuple[int, int] | None = None) -> list[MicroBatch]:
+    """`route_shape` (MoE: (router layers, top_k)) lays each micro-batch's routed experts out
+    in megatron's token order (`MicroBatch.routes`); None: no routes."""
     if pack:
-        return [_packed(g, pad_id) for g in pack_groups(samples, micro_batch_tokens)]
-    return [_padded(g, pad_id) for g in split_micro_batches(samples, micro_batch_size)]
+        return [_packed(g, pad_id, route_shape) for g in pack_groups(samples, micro_batch_tokens)]
+    return [_padded(g, pad_id, route_shape) for g in split_micro_batches(samples, micro_batch_size)]
 
 
 def micro_batch_loss(hidden: Tensor, model: Any, mb: MicroBatch, algo: AlgoConfig, temperature: float,
                      normalizer: float, vocab_size: int, tp_size: int, ref_logprobs: Tensor | None = None,
-                     fuse: bool = True) -> tuple[Tensor, dict[str, float]]:
-    """rl_loss of one micro-batch (sum over its loss tokens / the step's loss-token count)."""
+                     fuse: bool = True, on_logprobs: Callable[[Tensor], dict[str, float]] | None = None
+                     ) -> tuple[Tensor, dict[str, float]]:
+    """rl_loss of one micro-batch (sum over its loss tokens / the step's loss-token count).
+    `on_logprobs(logprobs [B, T])`: more metrics from the trained logprobs (routing replay's)."""
     batch = mb.batch
     logprobs, entropy = response_logprobs(hidden, model, mb, vocab_size, tp_size, temperature, fuse)
     if algo.entropy_coef == 0:
@@ -102,6 +117,8 @@ def micro_batch_loss(hidden: Tensor, model: Any, mb: MicroBatch, algo: AlgoConfi
         metrics["train/engine_logprob_diff_max"] = float(gap.max())
         metrics["train/engine_logprob_absdiff_sum"] = float(gap.sum())
     metrics["train/loss"] = float(loss.detach())
+    if on_logprobs is not None:
+        metrics.update(on_logprobs(logprobs.detach()))
     return loss, metrics
 
 

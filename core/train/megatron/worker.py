@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 import json
+from contextlib import nullcontext
 import os
 import random
 from functools import partial
@@ -34,12 +35,13 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from milepost.core.algo.routing_replay import RankReplay
 from milepost.core.tcp_store import bound_store
 from milepost.core.config import AlgoConfig, TrainConfig
 from milepost.core.train.batch import padding_sample
 from milepost.core.train.nonfinite import (NonFiniteWeightsError, agree_to_skip, all_finite, first_nonfinite,
                                            nonfinite_weights_message, tensors_finite)
-from milepost.core.train.megatron import cpu_compat, fusions
+from milepost.core.train.megatron import cpu_compat, fusions, moe_tp
 from milepost.core.train.megatron.converter import iter_hf_tensors, load_hf_into
 from milepost.core.train.megatron.model import (
     ModelSpec,
@@ -137,6 +139,7 @@ class MegatronRankWorker(SenderRank):
         self.autocast = "bf16" if self.precision == "bf16" and not on_gpu else "fp32"
         self.tconfig = transformer_config(self.spec, m, self.dtype, on_cpu=not on_gpu)
         chunks = self._build_chunks()
+        self.replay = self._attach_replay(chunks)
         self.adapters = self._attach_lora(chunks)
         self._build_ddp_and_optimizer(chunks)
         self.ref = None
@@ -148,6 +151,22 @@ class MegatronRankWorker(SenderRank):
                 c.requires_grad_(False).eval()
         return {"tp_rank": self.tp_rank, "pp_rank": self.pp_rank, "dp_rank": self.dp_rank,
                 "reporter": int(self._reports()), "device": str(self.device)}
+
+    def _attach_replay(self, chunks: list[Any]) -> RankReplay | None:
+        """MoE: a tap on the routers (megatron/routing.py), forcing the engine's experts when
+        algo.routing_replay, else comparing only. None for a dense model."""
+        from milepost.core.train.megatron.routing import MegatronRouteTap, check_replay_layout
+        tap = MegatronRouteTap.install(chunks)
+        if tap is None:
+            if self.algo.routing_replay:
+                raise ValueError("algo.routing_replay: true needs a mixture-of-experts model (no top-k router "
+                                 "found); set algo.routing_replay=false or use an MoE model")
+            return None
+        check_replay_layout(self.algo.routing_replay, self.cfg.megatron.recompute, self.cfg.megatron.pipeline_parallel)
+        return RankReplay(tap, self.algo.routing_replay)  # type: ignore[arg-type]  # RouterTap's interface
+
+    def _route_shape(self) -> tuple[int, int] | None:
+        return None if self.replay is None else (self.replay.tap.num_layers, self.replay.tap.top_k)
 
     def _attach_lora(self, chunks: list[Any]) -> list[Any] | None:
         """train.lora: freeze the chunks and hook an adapter onto each layer (megatron/lora.py)."""
@@ -176,6 +195,8 @@ class MegatronRankWorker(SenderRank):
         for chunk in chunks:  # norms in the model dtype (megatron's ignore params_dtype), fused if asked
             fusions.swap_norms(chunk, self.dtype, self.cfg.megatron.fuse)
         load_hf_into(chunks, self.model_path, self.spec, self.tp_rank, self.tp_size, self.ep_rank)
+        if self.spec.num_experts and not self.cfg.megatron.sequence_parallel:
+            moe_tp.allow_tp_without_sequence_parallel(chunks, self.tp_size)  # replicated tokens (moe_tp.py)
         return chunks
 
     def _build_ddp_and_optimizer(self, chunks: list[Any]) -> None:
@@ -189,6 +210,7 @@ class MegatronRankWorker(SenderRank):
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                 use_distributed_optimizer=m.distributed_optimizer)
         self.model = [DistributedDataParallel(config=self.tconfig, ddp_config=ddp_cfg, module=c) for c in chunks]
+        self.expert_params = moe_tp.expert_params(chunks) if not m.sequence_parallel else []
         opt_cfg = OptimizerConfig(optimizer="adam", lr=cfg.lr, min_lr=0.0, weight_decay=cfg.weight_decay,
                                   adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1], adam_eps=1e-8,
                                   clip_grad=cfg.grad_clip, bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
@@ -211,7 +233,8 @@ class MegatronRankWorker(SenderRank):
     # ---- training ----
     def _forward_step(self, normalizer: float, data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
         mb: MicroBatch = next(data_iterator).to(self.device)
-        out = forward_hidden(model, mb)
+        with self.replay.applied(mb.routes) if self.replay else nullcontext():  # MoE: the engine's experts
+            out = forward_hidden(model, mb)
         ref = None
         if self.ref is not None:
             with torch.no_grad():
@@ -224,8 +247,13 @@ class MegatronRankWorker(SenderRank):
 
     def _loss(self, model: Any, mb: MicroBatch, ref: torch.Tensor | None, normalizer: float,
               hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        compare = None
+        if self.replay is not None and mb.routes is not None:  # agreement, gap with and without replay
+            replay = self.replay
+            compare = lambda lp: replay.compare(lp, mb.batch, mb.routes,
+                                                lambda: self._response_logprobs(model, mb))
         loss, metrics = micro_batch_loss(hidden, model, mb, self.algo, self.temperature, normalizer,
-                                         self.spec.vocab_size, self.tp_size, ref, self.cfg.megatron.fuse)
+                                         self.spec.vocab_size, self.tp_size, ref, self.cfg.megatron.fuse, compare)
         return loss, torch.ones((), dtype=torch.int, device=self.device), metrics
 
     def _run_schedule(self, micro_batches: list[MicroBatch], normalizer: float, forward_only: bool) -> list[dict]:
@@ -244,7 +272,7 @@ class MegatronRankWorker(SenderRank):
         m = self.cfg.megatron
         samples = samples or [padding_sample(self.pad_id)]  # every replica joins the gradient all-reduce
         mbs = build_micro_batches(samples, self.pad_id, m.pack_sequences, self.cfg.micro_batch_size,
-                                  m.micro_batch_tokens)
+                                  m.micro_batch_tokens, self._route_shape())
         for c in self.model:
             c.train()
             c.zero_grad_buffer()
@@ -254,6 +282,7 @@ class MegatronRankWorker(SenderRank):
             group["lr"] = lr
         with autocast(self.autocast):
             per_micro = self._run_schedule(mbs, normalizer, forward_only=False)
+        moe_tp.scale_expert_grads(self.expert_params, self.tp_size)  # experts saw TP copies of the tokens
         skip = agree_to_skip(not (all_finite(m.get("train/loss", 0.0) for m in per_micro) and self._grads_finite()),
                              self.device)
         grad_norm: Any = float("nan")
