@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from milepost.core.algo.routing_replay import encode_routes
 from milepost.core.train.megatron.routing import MegatronRouteTap, micro_batch_routes
 from milepost.core.types import Sample
@@ -66,9 +65,7 @@ def test_tap_forces_recorded_experts_with_current_scores_and_counts_agreement() 
 
 def test_tap_refuses_routes_of_another_model() -> None:
     tap = MegatronRouteTap([FakeRouter()])
-    with pytest.raises(ValueError, match="do not fit this model"):
-        with tap.replay(torch.zeros(3, 5, TOP_K, dtype=torch.long)):
-            pass
-    with pytest.raises(ValueError, match="name expert 7, the model has 4"):
-        with tap.replay(torch.full((1, 5, TOP_K), 7)):
-            pass
+    with pytest.raises(ValueError, match="do not fit this model"), tap.replay(torch.zeros(3, 5, TOP_K, dtype=torch.long)):
+        pass
+    with pytest.raises(ValueError, match="name expert 7, the model has 4"), tap.replay(torch.full((1, 5, TOP_K), 7)):
+        pass

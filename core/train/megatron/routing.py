@@ -26,14 +26,14 @@ outside the micro-batch's replay block, so replay with `recompute` other than no
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
-from torch import Tensor
-
 from milepost.core.algo.routing_replay import batch_routes
 from milepost.core.types import Sample
+from torch import Tensor
 
 TopK = Callable[..., tuple[Tensor, Tensor]]
 
@@ -47,7 +47,7 @@ def find_megatron_routers(chunks: list[Any]) -> list[Any]:
 class _LayerReplay:
     """What megatron calls in place of its top-k for one router (its `router_replay` slot)."""
 
-    def __init__(self, tap: "MegatronRouteTap", layer: int) -> None:
+    def __init__(self, tap: MegatronRouteTap, layer: int) -> None:
         self.tap, self.layer = tap, layer
 
     def get_replay_topk(self, scores: Tensor, topk: int, num_groups: int | None = None,
@@ -78,7 +78,7 @@ class MegatronRouteTap:
             router.router_replay = _LayerReplay(self, layer)
 
     @classmethod
-    def install(cls, chunks: list[Any]) -> "MegatronRouteTap | None":
+    def install(cls, chunks: list[Any]) -> MegatronRouteTap | None:
         routers = find_megatron_routers(chunks)
         return cls(routers) if routers else None
 

@@ -15,8 +15,9 @@ log_softmax / entropy as `train/logprobs.py` computes them, a chunk of rows at a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from milepost.core.algo.losses import rl_loss

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import datetime
 import json
-from contextlib import nullcontext
 import os
 import random
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -36,11 +36,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from milepost.core.algo.routing_replay import RankReplay
-from milepost.core.tcp_store import bound_store
 from milepost.core.config import AlgoConfig, TrainConfig
+from milepost.core.tcp_store import bound_store
 from milepost.core.train.batch import padding_sample
-from milepost.core.train.nonfinite import (NonFiniteWeightsError, agree_to_skip, all_finite, first_nonfinite,
-                                           nonfinite_weights_message, tensors_finite)
 from milepost.core.train.megatron import cpu_compat, fusions, moe_tp
 from milepost.core.train.megatron.converter import iter_hf_tensors, load_hf_into
 from milepost.core.train.megatron.model import (
@@ -55,6 +53,14 @@ from milepost.core.train.megatron.step import (
     forward_hidden,
     micro_batch_loss,
     response_logprobs,
+)
+from milepost.core.train.nonfinite import (
+    NonFiniteWeightsError,
+    agree_to_skip,
+    all_finite,
+    first_nonfinite,
+    nonfinite_weights_message,
+    tensors_finite,
 )
 from milepost.core.train.precision import autocast
 from milepost.core.train.schedule import lr_lambda
@@ -155,7 +161,10 @@ class MegatronRankWorker(SenderRank):
     def _attach_replay(self, chunks: list[Any]) -> RankReplay | None:
         """MoE: a tap on the routers (megatron/routing.py), forcing the engine's experts when
         algo.routing_replay, else comparing only. None for a dense model."""
-        from milepost.core.train.megatron.routing import MegatronRouteTap, check_replay_layout
+        from milepost.core.train.megatron.routing import (
+            MegatronRouteTap,
+            check_replay_layout,
+        )
         tap = MegatronRouteTap.install(chunks)
         if tap is None:
             if self.algo.routing_replay:
