@@ -1,5 +1,5 @@
 """Orchestration overhead per block: the time of a block that is not spent inside its stage
-jobs, and the time not spent in rollout/train/evaluate, for each way a block can run:
+jobs, and the time not spent in start_engines/run_steps/evaluate, for each way a block can run:
 
     direct            BlockRunner, no Airflow (what `milepost run` did before the DAG)
     embedded          `milepost run`: the DAG through dag.test(), in-process, local jobs
@@ -10,7 +10,7 @@ Same recipe and seed, one block of `--steps` steps each, the tiny model built be
 Per block: wall = the block's DAG run (or BlockRunner call) from start to end; in stages =
 the sum of the stage jobs' own run times (their records' started_at → finished_at, teardown
 included); overhead = wall − in stages (task scheduling, job submission and start-up,
-imports, trigger polling); not RL = wall − (rollout + train + evaluate).
+imports, trigger polling); not RL = wall − (start_engines + run_steps + evaluate).
 
     python bench/airflow_overhead.py [--modes direct,embedded,standalone-local,standalone-slurm]
                                      [--steps 4] [--out bench/results/airflow_overhead.txt]
@@ -28,9 +28,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+from milepost.core.records import Stage
+
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("launch_ray", "rollout", "train", "sync", "evaluate", "teardown")
-RL = ("rollout", "train", "evaluate")
+STAGES = tuple(s.value for s in Stage)
+RL = (Stage.START_ENGINES.value, Stage.RUN_STEPS.value, Stage.EVALUATE.value)
 
 
 def overrides(steps: int) -> list[str]:
@@ -65,7 +67,7 @@ def summary(mode: str, wall: float, stages: dict[str, float], campaign: Path) ->
     rl = sum(stages[s] for s in RL)
     parts = " ".join(f"{s}={stages[s]:.1f}" for s in STAGES)
     return (f"{mode:<17} wall {wall:6.1f}s  in stages {inside:6.1f}s  overhead {wall - inside:5.1f}s  "
-            f"not rollout/train/eval {wall - rl:6.1f}s   [{parts}]{latencies(campaign)}")
+            f"not RL stages {wall - rl:6.1f}s   [{parts}]{latencies(campaign)}")
 
 
 def run_direct(work: Path, steps: int, env: dict[str, str]) -> str:

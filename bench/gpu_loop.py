@@ -16,6 +16,7 @@ import logging
 import time
 
 from milepost.core.recipe_io import load_recipe
+from milepost.core.records import TIMINGS_DOC, block_path
 from milepost.tasks.block import BlockRunner
 from milepost.tasks.campaign import prepare_campaign
 
@@ -36,9 +37,8 @@ def main() -> None:
     for block in range(recipe.campaign.num_blocks):
         began = time.monotonic()
         runner.run_block(block)
-        record = store.stage_record(block, "evaluate") or {}
-        result["blocks"].append({"block": block, "eval": record.get("eval"), "wall_s": time.monotonic() - began,
-                                 "timings": store.read_json(f"blocks/{block:06d}/timings.json")})
+        result["blocks"].append({"block": block, "eval": store.block_eval(block), "wall_s": time.monotonic() - began,
+                                 "timings": store.read_json(block_path(block, TIMINGS_DOC))})
     result["base_eval"] = store.read_json("base_eval.json") if store.exists("base_eval.json") else None
     result["wall_s"] = time.monotonic() - start
     text = json.dumps(result, indent=1, default=str)

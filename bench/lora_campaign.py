@@ -62,7 +62,7 @@ def run_engine_killed(work: Path, cache: Path, overrides: list[str], log: Path, 
     os.kill(pid, signal.SIGKILL)
     assert proc.wait(1800) == 0, log
     rows = cp.metrics(campaign)
-    restarts = cp.record(campaign, "train").get("engine_restarts")
+    restarts = cp.record(campaign, "run_steps").get("engine_restarts")
     return {"killed_engine_pid": pid, "after_step": after_step, "steps": len(rows), "engine_restarts": restarts,
             "engine_logprob_diff_max_after_kill": max(r["train/engine_logprob_diff_max"] for r in rows
                                                       if r["step"] > after_step)}

@@ -1,7 +1,7 @@
 """Every extension point a recipe names, resolved and checked in one place.
 
 `resolve_extensions` is called at start-up (before anything is written: a bad plugin exits 2)
-and again by the train stage, which runs the loop with what it returns. The policy loss runs
+and again by the run_steps stage, which runs the loop with what it returns. The policy loss runs
 in the trainer ranks, which resolve `algo.loss` themselves (core/algo/losses.py): here it is
 only checked, and `trainer_algo` hands the ranks a spec that works from any folder.
 """

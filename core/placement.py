@@ -1,7 +1,7 @@
 """Where the trainer ranks and the engines run on the block's Ray cluster (`cluster.placement`).
 
-One detached placement group per block cluster, created by the rollout stage (the first to
-need it) and found by name by the train stage and by engine restarts:
+One detached placement group per block cluster, created by the start_engines stage (the first
+to need it) and found by name by the run_steps stage and by engine restarts:
 
 - `colocated`: one bundle per device slot, max(trainer ranks, engines) of them; trainer rank
   r and engine e share bundle r and e (devices are shared; engines sleep while the trainer

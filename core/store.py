@@ -8,7 +8,7 @@ Layout (see DESIGN.md):
     exports/<step>/                    HF-format weights
 
 Every JSON document is written to a temporary name and renamed, so a reader never sees
-half a record.
+half a record. Names and record shapes are core/records.py's; this module only stores them.
 """
 
 from __future__ import annotations
@@ -16,9 +16,27 @@ from __future__ import annotations
 import json
 import posixpath
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
+from milepost.core.errors import UserError
+from milepost.core.records import (
+    RECIPE_DOC,
+    Stage,
+    StageRecord,
+    StageState,
+    block_path,
+    legacy_stage_name,
+    parse_stage,
+    stage_record_path,
+)
+
+if TYPE_CHECKING:
+    from milepost.core.config import Recipe
+
+
+class NotACampaignError(UserError):
+    """The store holds no campaign (no campaign.yaml); the message says how to start one."""
 
 
 class CampaignStore:
@@ -29,9 +47,6 @@ class CampaignStore:
     # --- paths -------------------------------------------------------------------------
     def path(self, *parts: str) -> str:
         return posixpath.join(self.root, *parts)
-
-    def block_dir(self, block: int) -> str:
-        return self.path("blocks", f"{block:06d}")
 
     def local_path(self, *parts: str) -> str:
         """A path usable by processes that only understand local files (engines, torch)."""
@@ -64,13 +79,46 @@ class CampaignStore:
     def read_json(self, rel: str) -> Any:
         return json.loads(self.read_text(rel))
 
-    # --- stage records -------------------------------------------------------------------
-    def stage_record(self, block: int, stage: str) -> dict[str, Any] | None:
-        rel = f"blocks/{block:06d}/{stage}.json"
-        return self.read_json(rel) if self.exists(rel) else None
+    # --- the recipe ------------------------------------------------------------------------
+    def is_campaign(self) -> bool:
+        return self.exists(RECIPE_DOC)
 
-    def write_stage_record(self, block: int, stage: str, record: dict[str, Any]) -> None:
-        self.write_json(f"blocks/{block:06d}/{stage}.json", record)
+    def load_recipe(self) -> Recipe:
+        """The campaign's recipe as its first run stored it, validated by the current schema.
+        NotACampaignError when there is none; RecipeError when it no longer validates."""
+        import yaml
+        from milepost.core.recipe_io import recipe_from_dict
+
+        if not self.is_campaign():
+            raise NotACampaignError(f"{self.url} is not a campaign (no {RECIPE_DOC}): start it with "
+                                    f"`milepost run RECIPE --campaign {self.url}`, or pass the folder given to "
+                                    "`milepost run --campaign` before")
+        return recipe_from_dict(yaml.safe_load(self.read_text(RECIPE_DOC)), RECIPE_DOC)
+
+    # --- stage records -------------------------------------------------------------------
+    def stage_record(self, block: int, stage: Stage | str) -> StageRecord | None:
+        """The stage's record; a campaign started before the stages were renamed has it under
+        the old name until the stage writes it again (core/records.py)."""
+        stage = parse_stage(stage)
+        for name in (stage.value, legacy_stage_name(stage)):
+            if name and self.exists(stage_record_path(block, name)):
+                return StageRecord.from_dict(self.read_json(stage_record_path(block, name)))
+        return None
+
+    def stage_done(self, block: int, stage: Stage | str) -> bool:
+        record = self.stage_record(block, stage)
+        return record is not None and record.done
+
+    def block_eval(self, block: int) -> dict[str, Any] | None:
+        """The held-out eval of a block whose evaluate is done (None before)."""
+        record = self.stage_record(block, Stage.EVALUATE)
+        return dict(record.outputs.get("eval") or {}) if record and record.state is StageState.DONE else None
+
+    def write_stage_record(self, block: int, stage: Stage | str, record: StageRecord | dict[str, Any]) -> None:
+        """Always under the stage's current name. A dict is the stored form (checked by
+        StageRecord.from_dict): what tests and merges write."""
+        typed = record if isinstance(record, StageRecord) else StageRecord.from_dict(record)
+        self.write_json(stage_record_path(block, parse_stage(stage).value), typed.to_dict())
 
     def block_indices(self) -> list[int]:
         if not self.exists("blocks"):
@@ -80,7 +128,7 @@ class CampaignStore:
 
     # --- metrics -------------------------------------------------------------------------
     def metrics_rel(self, block: int) -> str:
-        return f"blocks/{block:06d}/metrics.jsonl"
+        return block_path(block, "metrics.jsonl")
 
     def read_metrics(self, block: int) -> list[dict[str, Any]]:
         rel = self.metrics_rel(block)

@@ -16,14 +16,13 @@ from __future__ import annotations
 from typing import Any
 
 from airflow.sdk import BaseOperator
+from milepost.core.records import BLOCK_STAGES, StageState
 from milepost.dags.progress import publish_note
-
-STAGE_TASKS = ("launch_ray", "rollout", "train", "sync", "evaluate")
 
 
 def failed_stage(task_states: dict[str, Any]) -> str | None:
-    """The first stage task (in block order) whose state is `failed`."""
-    return next((stage for stage in STAGE_TASKS if str(task_states.get(stage) or "") == "failed"), None)
+    """The first stage task (in block order; the task ids are the stage names) whose state is `failed`."""
+    return next((stage.value for stage in BLOCK_STAGES if str(task_states.get(stage.value) or "") == "failed"), None)
 
 
 class BlockFailedOperator(BaseOperator):
@@ -40,10 +39,10 @@ class BlockFailedOperator(BaseOperator):
         from milepost.core.store import CampaignStore
 
         params = context["params"]
-        record = CampaignStore(str(params["campaign_url"])).stage_record(int(params["block"]), stage) or {}
-        if record.get("state") != "failed":
+        record = CampaignStore(str(params["campaign_url"])).stage_record(int(params["block"]), stage)
+        if record is None or record.state is not StageState.FAILED:
             return {}
-        return {"error": record.get("error"), "error_kind": record.get("error_kind"), "log": record.get("log")}
+        return {"error": record.error, "error_kind": record.error_kind, "log": record.log}
 
     def execute(self, context: Any) -> None:
         from airflow.sdk.exceptions import AirflowFailException

@@ -19,13 +19,14 @@ import os
 from pathlib import Path
 
 import yaml
+from milepost.core.records import CAMPAIGNS_FILE_ENV, CAMPAIGNS_ROOT_ENV
 from milepost.dags.factory import build_campaign_dag
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
 
 def campaign_entries() -> list[dict]:
-    listed = os.environ.get("MILEPOST_CAMPAIGNS_FILE")
+    listed = os.environ.get(CAMPAIGNS_FILE_ENV)
     if not listed:
         return [{"recipe": str(p)} for p in sorted(RECIPES_DIR.glob("*.yaml"))]
     path = Path(listed)
@@ -35,7 +36,7 @@ def campaign_entries() -> list[dict]:
     return [{**e, "recipe": str((path.parent / e["recipe"]).resolve())} for e in entries]
 
 
-_CAMPAIGNS_ROOT = os.environ.get("MILEPOST_CAMPAIGNS_ROOT", str(RECIPES_DIR.parent / "runs"))
+_CAMPAIGNS_ROOT = os.environ.get(CAMPAIGNS_ROOT_ENV, str(RECIPES_DIR.parent / "runs"))
 
 for _entry in campaign_entries():
     _dag = build_campaign_dag(

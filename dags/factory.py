@@ -1,8 +1,8 @@
 """The one definition of a block: `build_campaign_dag(recipe_path)` → a DAG whose run is one
 block of the campaign.
 
-    launch_ray ──► rollout ──► train ──► sync ──► evaluate ──► progress
-         └──────────── teardown (all_done) ◄──────────────────────────┘
+    start_ray ──► start_engines ──► run_steps ──► publish ──► evaluate ──► progress
+         └──────────────── teardown (all_done) ◄─────────────────────────────────┘
                        block_failed (one_failed): fails the run naming the stage (dags/block_failed.py)
 
 progress applies the regression gate and triggers the run of the next block (see
@@ -12,8 +12,9 @@ teardown is a leaf with trigger rule `all_done`, so it alone would decide the ru
 (success even when a stage failed); `block_failed` runs only when a stage failed and fails
 the run, naming the stage (skipped, it leaves a good run a success).
 
-Parse time reads only the recipe's YAML (for its name, description and retries): no
-milepost.core, no torch/ray/transformers, no connection.
+Parse time reads only the recipe's YAML (for its name, description and retries) and the
+stage names of milepost.core.records (standard library only): no recipe schema, no
+torch/ray/transformers, no connection.
 """
 
 from __future__ import annotations
@@ -24,18 +25,17 @@ from typing import Any
 
 import yaml
 from airflow.sdk import DAG, Param, TriggerRule
+from milepost.core.records import BLOCK_STAGES, Stage, dag_id_for
 from milepost.dags.block_failed import BlockFailedOperator
-from milepost.dags.names import dag_id_for
 from milepost.dags.operators import StageOperator
 from milepost.dags.params import OVERRIDE_ITEM, OVERRIDES_DESCRIPTION
 from milepost.dags.progress import ProgressOperator
 
-BLOCK_STAGES = ("launch_ray", "rollout", "train", "sync", "evaluate")
 TAGS = ("milepost", "rl-campaign")
 
 
 def _recipe_summary(path: Path) -> tuple[dict[str, Any], str]:
-    """The recipe as YAML (unvalidated: validation runs in launch_ray) and its leading comment."""
+    """The recipe as YAML (unvalidated: validation runs in start_ray) and its leading comment."""
     text = path.read_text()
     doc = yaml.safe_load(text) or {}
     if not isinstance(doc, dict):
@@ -62,10 +62,10 @@ lives in its store (`campaign_url`), so any run can be retried or resumed.
 
 | stage | what it does |
 |---|---|
-| `launch_ray` | checks the recipe and the store (the first run writes the recipe there), takes the campaign's lease, starts the block's Ray cluster |
-| `rollout` | starts the inference engines that generate answers, loaded with the latest policy |
-| `train` | runs the block's RL steps (generate, score with the reward, update the model, push the new weights to the engines), checkpointing as it goes |
-| `sync` | commits the block's final checkpoint and exports it in Hugging Face format |
+| `start_ray` | checks the recipe and the store (the first run writes the recipe there), takes the campaign's lease, starts the block's Ray cluster |
+| `start_engines` | starts the inference engines that generate answers, loaded with the latest policy; the first block also measures the base policy |
+| `run_steps` | runs the block's RL steps (each: rollout, score with the reward, train the model, sync the new weights to the engines), checkpointing as it goes |
+| `publish` | exports the block's final checkpoint in Hugging Face format and checks the engines serve it |
 | `evaluate` | measures held-out accuracy, applies the **regression gate**, logs the block's summary |
 | `progress` | starts the next block's run (named `block_<N>__…`), unless the campaign is complete, paused or stopped |
 | `teardown` | always runs: releases the cluster and the lease |
@@ -145,11 +145,11 @@ def build_campaign_dag(recipe_path: str | Path, *, dag_id: str | None = None, ca
         default_args={"retries": retries, "retry_delay": dt.timedelta(seconds=retry_delay_s)},
     )
     with dag:
-        stages = [StageOperator(task_id=stage, stage=stage, recipe_path=str(path), poll_interval_s=poll_interval_s)
-                  for stage in BLOCK_STAGES]
+        stages = [StageOperator(task_id=stage.value, stage=stage.value, recipe_path=str(path),
+                                poll_interval_s=poll_interval_s) for stage in BLOCK_STAGES]
         for upstream, downstream in zip(stages, stages[1:]):
             upstream >> downstream
-        teardown = StageOperator(task_id="teardown", stage="teardown", recipe_path=str(path),
+        teardown = StageOperator(task_id=Stage.TEARDOWN.value, stage=Stage.TEARDOWN.value, recipe_path=str(path),
                                  poll_interval_s=poll_interval_s, trigger_rule=TriggerRule.ALL_DONE,
                                  retries=3)  # idempotent; Airflow's false "Up For Retry" can hit it twice
         progress = ProgressOperator(task_id="progress", retries=retries)

@@ -25,7 +25,19 @@ import time
 from typing import Any
 
 from airflow.sdk import BaseOperator
-from milepost.dags.names import DRIVER_PID_ENV, EMBEDDED_DRIVER_PID_ENV, LEASE_OWNER_ENV
+from milepost.core.records import (
+    DRIVER_PID_ENV,
+    EMBEDDED_DRIVER_PID_ENV,
+    LEASE_OWNER_ENV,
+    RECIPE_DOC,
+    TIMINGS_DOC,
+    Stage,
+    StageRecord,
+    StageState,
+    block_path,
+    campaign_id,
+    parse_stage,
+)
 
 
 def embedded() -> bool:
@@ -47,7 +59,7 @@ def stage_command(campaign_url: str, block: int, stage: str) -> list[str]:
 
 
 class StageOperator(BaseOperator):
-    """One stage of one block. `recipe_path` is the DAG's recipe: launch_ray writes the
+    """One stage of one block. `recipe_path` is the DAG's recipe: start_ray writes the
     campaign (recipe + the run's overrides) to the store on first use, or checks that the
     stored one is the same; the other stages read it from the store."""
 
@@ -55,7 +67,7 @@ class StageOperator(BaseOperator):
 
     def __init__(self, *, stage: str, recipe_path: str, poll_interval_s: float = 5.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.stage = stage
+        self.stage = parse_stage(stage).value  # a plain string: Airflow serializes the operator's fields
         self.recipe_path = recipe_path
         self.poll_interval_s = poll_interval_s
 
@@ -63,8 +75,7 @@ class StageOperator(BaseOperator):
     @staticmethod
     def _ids(context: Any) -> tuple[str, int]:
         params = context["params"]
-        url = str(params["campaign_url"])
-        return (url if "://" in url else os.path.abspath(url)), int(params["block"])
+        return campaign_id(str(params["campaign_url"])), int(params["block"])
 
     def _prepare_campaign(self, context: Any, url: str, overrides: list[str]) -> None:
         from airflow.sdk.exceptions import AirflowFailException
@@ -78,7 +89,7 @@ class StageOperator(BaseOperator):
             raise AirflowFailException(f"{e}\nTrigger the run again with corrected overrides.") from None
 
     def _claim(self, context: Any, store: Any, recipe: Any, block: int) -> str | None:
-        """The lease (launch_ray takes it, the others renew it), and at launch_ray the campaign
+        """The lease (start_ray takes it, the others renew it), and at start_ray the campaign
         checks: paused or stopped, the right next block, what a killed run left behind. None:
         teardown of a run that never held the lease (another run does; its block is not ours)."""
         import time as _time
@@ -88,7 +99,7 @@ class StageOperator(BaseOperator):
         from milepost.tasks.progression import CampaignPaused, check_can_start
 
         owner = lease_owner(context)
-        if self.stage == "teardown":
+        if self.stage == Stage.TEARDOWN:
             current = lease.read_lease(store)
             if current and current.get("owner") != owner and current.get("expires_at", 0.0) > _time.time():
                 self.log.warning("the campaign's lease is held by %s: this run releases nothing of it",
@@ -96,7 +107,7 @@ class StageOperator(BaseOperator):
                 return None
             return owner
         try:
-            if self.stage == "launch_ray":
+            if self.stage == Stage.START_RAY:
                 lease.acquire(store, owner)
                 check_can_start(store, recipe, block, resume=bool(context["params"].get("resume")))
                 self._release_leftovers(store, block)
@@ -109,17 +120,15 @@ class StageOperator(BaseOperator):
 
     def _release_leftovers(self, store: Any, block: int) -> None:
         """A block that a killed run left launched (its teardown never ran) is torn down first,
-        so this run does not attach to a dead Ray cluster; train then resumes from its checkpoint."""
-        launch = store.stage_record(block, "launch_ray") or {}
-        block_done = (store.stage_record(block, "evaluate") or {}).get("state") == "done"
-        if launch and launch.get("state") != "released" and not block_done:
+        so this run does not attach to a dead Ray cluster; run_steps then resumes from its checkpoint."""
+        launch = store.stage_record(block, Stage.START_RAY)
+        if launch and launch.state is not StageState.RELEASED and not store.stage_done(block, Stage.EVALUATE):
             from milepost.tasks.stage import run_stage
 
-            self.log.info("block %d: releasing what an earlier run left (launch_ray %s)", block, launch.get("state"))
-            run_stage(store.url, block, "teardown")
+            self.log.info("block %d: releasing what an earlier run left (start_ray %s)", block, launch.state)
+            run_stage(store.url, block, Stage.TEARDOWN)
 
     def execute(self, context: Any) -> dict[str, Any] | None:
-        from milepost.core.recipe_io import recipe_from_dict
         from milepost.core.store import CampaignStore
 
         url, block = self._ids(context)
@@ -127,26 +136,25 @@ class StageOperator(BaseOperator):
         overrides = list(context["params"].get("overrides") or [])
         # The first run writes the campaign; a later one with overrides must match it (else it
         # is refused, saying what changed); a later one without overrides uses what is stored.
-        if self.stage == "launch_ray" and (overrides or not store.exists("campaign.yaml")):
+        if self.stage == Stage.START_RAY and (overrides or not store.is_campaign()):
             self._prepare_campaign(context, url, overrides)
-        if not store.exists("campaign.yaml"):
-            if self.stage == "teardown":
-                self.log.info("%s is not a campaign yet (launch_ray did not prepare it): nothing to release", url)
+        if not store.is_campaign():
+            if self.stage == Stage.TEARDOWN:
+                self.log.info("%s is not a campaign yet (start_ray did not prepare it): nothing to release", url)
                 return None
-            raise StageFailedError(f"{url} has no campaign.yaml: launch_ray prepares it; clear that task")
-        import yaml
-        recipe = recipe_from_dict(yaml.safe_load(store.read_text("campaign.yaml")), "campaign.yaml")
+            raise StageFailedError(f"{url} has no {RECIPE_DOC}: start_ray prepares it; clear that task")
+        recipe = store.load_recipe()
         ids = {"campaign_url": url, "block": block, "stage": self.stage}
-        record = store.stage_record(block, self.stage) or {}
-        block_done = (store.stage_record(block, "evaluate") or {}).get("state") == "done"
-        if self.stage != "teardown" and (record.get("state") == "done" or block_done):
-            # A done block is not launched again (its launch_ray/rollout records say `released`).
+        record = store.stage_record(block, self.stage)
+        block_done = store.stage_done(block, Stage.EVALUATE)
+        if self.stage != Stage.TEARDOWN and ((record and record.done) or block_done):
+            # A done block is not launched again (its start_ray/start_engines records say `released`).
             # A retry of a stage already recorded done (apache/airflow#67287: the executor and the
             # scheduler race and a finished task is put up for retry) ends here, at once.
             self._already_done(store, block, record, block_done)
-            if self.stage == "evaluate":
+            if self.stage == Stage.EVALUATE:
                 self._finish_evaluate(store, recipe, block)
-            return {**ids, "job_id": str(record.get("slurm_job_id") or record.get("pid") or "")}
+            return {**ids, "job_id": str((record and (record.slurm_job_id or record.pid)) or "")}
         owner = self._claim(context, store, recipe, block)  # only a stage that will write needs the lease
         if owner is None:
             return None
@@ -163,7 +171,7 @@ class StageOperator(BaseOperator):
         self.defer(trigger=StageJobTrigger(url, block, self.stage, executor.name, job.job_id, submitted_at,
                                            pid_created_at=_created_at(job.job_id) if executor.name == "local"
                                            else None, poll_interval_s=self.poll_interval_s,
-                                           lease_owner=None if self.stage == "teardown" else owner,
+                                           lease_owner=None if self.stage == Stage.TEARDOWN else owner,
                                            stderr_path=str(job.stderr_path)),
                    method_name="execute_complete")
         return None  # not reached: defer() raises
@@ -197,15 +205,12 @@ class StageOperator(BaseOperator):
             from milepost.dags.triggers import epoch_of
 
             _record_timing(event, epoch_of(event["submitted_at"]), stderr_path)
-        if self.stage == "evaluate":
-            import yaml
-            from milepost.core.recipe_io import recipe_from_dict
+        if self.stage == Stage.EVALUATE:
             from milepost.core.store import CampaignStore
 
             store = CampaignStore(event["campaign_url"])
-            recipe = recipe_from_dict(yaml.safe_load(store.read_text("campaign.yaml")), "campaign.yaml")
-            self._finish_evaluate(store, recipe, int(event["block"]))
-        if self.stage == "teardown" and not embedded():
+            self._finish_evaluate(store, store.load_recipe(), int(event["block"]))
+        if self.stage == Stage.TEARDOWN and not embedded():
             from milepost.core.store import CampaignStore
             from milepost.tasks import lease
 
@@ -213,20 +218,20 @@ class StageOperator(BaseOperator):
             lease.release(CampaignStore(event["campaign_url"]), lease_owner(context))
         return {key: event[key] for key in ("campaign_url", "block", "stage", "job_id")}
 
-    def _already_done(self, store: Any, block: int, record: dict[str, Any], block_done: bool) -> None:
+    def _already_done(self, store: Any, block: int, record: StageRecord | None, block_done: bool) -> None:
         """Say what the earlier try did, in words and local times, and make sure timings.json
         has it (the first try may have ended before it could write it)."""
         from milepost.tasks.block_summary import human_duration, human_time
 
-        if block_done and record.get("state") != "done":
+        if record is None or not record.done:  # only the block is done (its evaluate)
             self.log.info("block %d %s: the block is done; keeping the recorded outputs", block, self.stage)
             return
-        started, finished = float(record.get("started_at") or 0.0), float(record.get("finished_at") or 0.0)
+        started, finished = float(record.started_at or 0.0), float(record.finished_at or 0.0)
         timing = _stage_timing(store, block, self.stage)
         if timing is None:
             timing = _record_timing_from_record(store, block, self.stage, record)
-        job = f"Slurm job {record['slurm_job_id']}" if record.get("slurm_job_id") else f"pid {record.get('pid')}"
-        log_path = timing.get("log") or record.get("log")
+        job = f"Slurm job {record.slurm_job_id}" if record.slurm_job_id else f"pid {record.pid}"
+        log_path = timing.get("log") or record.log
         self.log.info("block %d %s: already done by an earlier try: ran %s → %s (%s) as %s; its log: %s. "
                       "Keeping its outputs (a retry of a finished stage ends at once).", block, self.stage,
                       human_time(started), human_time(finished), human_duration(finished - started), job,
@@ -251,13 +256,13 @@ class StageOperator(BaseOperator):
         from milepost.core.store import CampaignStore
         from milepost.tasks.failures import is_user_error, stage_failure
 
-        record = CampaignStore(event["campaign_url"]).stage_record(int(event["block"]), event["stage"]) or {}
+        record = CampaignStore(event["campaign_url"]).stage_record(int(event["block"]), event["stage"])
         failure = stage_failure(record, event.get("detail", ""), stderr_path)
-        message = f"block {event.get('block')} stage {event.get('stage')} failed: {failure}"
+        message = f"block {event.get('block')} stage {self.stage} failed: {failure}"
         self.log.error("%s", message)
-        push_failure(context, self.stage, record.get("error") if record.get("state") == "failed"
-                     else event.get("detail", ""), "user" if is_user_error(record) else "runtime",
-                     record.get("log") or stderr_path)
+        failed = record is not None and record.state is StageState.FAILED
+        push_failure(context, self.stage, (record.error if failed else None) or event.get("detail", ""),
+                     "user" if is_user_error(record) else "runtime", (record.log if record else None) or stderr_path)
         if is_user_error(record):
             raise AirflowFailException(f"{message}\nThis is an input error, not retried: fix it and run again.")
         raise StageFailedError(message)
@@ -285,18 +290,18 @@ def _log_tail(log: Any, path: str, num_lines: int = 15) -> None:
 
 
 def _stage_timing(store: Any, block: int, stage: str) -> dict[str, Any] | None:
-    rel = f"blocks/{block:06d}/timings.json"
+    rel = block_path(block, TIMINGS_DOC)
     return (store.read_json(rel) if store.exists(rel) else {}).get("stages", {}).get(stage)
 
 
-def _record_timing_from_record(store: Any, block: int, stage: str, record: dict[str, Any]) -> dict[str, Any]:
+def _record_timing_from_record(store: Any, block: int, stage: str, record: StageRecord) -> dict[str, Any]:
     """timings.json's entry of a stage whose try ended before writing it: its record's times
     (the submission time is not known any more: its start stands in)."""
-    rel = f"blocks/{block:06d}/timings.json"
+    rel = block_path(block, TIMINGS_DOC)
     timings = store.read_json(rel) if store.exists(rel) else {"executor": None, "stages": {}}
-    entry = {"job_id": record.get("slurm_job_id") or record.get("pid"), "submitted_at": record.get("started_at", 0.0),
-             "started_at": record.get("started_at", 0.0), "finished_at": record.get("finished_at", 0.0),
-             "returned_at": time.time(), "log": record.get("log"), "from_record": True}
+    entry = {"job_id": record.slurm_job_id or record.pid, "submitted_at": record.started_at or 0.0,
+             "started_at": record.started_at or 0.0, "finished_at": record.finished_at or 0.0,
+             "returned_at": time.time(), "log": record.log, "from_record": True}
     timings["stages"][stage] = entry
     store.write_json(rel, timings)
     return entry
@@ -308,14 +313,14 @@ def _record_timing(event: dict[str, Any], submitted_at: float, log_path: str = "
     from milepost.core.store import CampaignStore
 
     store = CampaignStore(event["campaign_url"])
-    block, stage = int(event["block"]), event["stage"]
-    record = store.stage_record(block, stage) or {}
-    rel = f"blocks/{block:06d}/timings.json"
+    block, stage = int(event["block"]), parse_stage(event["stage"])  # an older trigger's event: an old name
+    record = store.stage_record(block, stage)
+    rel = block_path(block, TIMINGS_DOC)
     timings = store.read_json(rel) if store.exists(rel) else {"executor": event.get("executor"), "stages": {}}
-    timings["stages"][stage] = {"job_id": event.get("job_id"), "submitted_at": submitted_at,
-                                "started_at": record.get("started_at", 0.0),
-                                "finished_at": record.get("finished_at", 0.0), "returned_at": time.time(),
-                                "log": log_path or None}
+    timings["stages"][stage.value] = {"job_id": event.get("job_id"), "submitted_at": submitted_at,
+                                      "started_at": (record and record.started_at) or 0.0,
+                                      "finished_at": (record and record.finished_at) or 0.0,
+                                      "returned_at": time.time(), "log": log_path or None}
     store.write_json(rel, timings)
 
 

@@ -6,7 +6,7 @@ Pure Python, no Airflow import: the schema pieces are tested on their own.
 What the schema can check without importing the recipe schema (pydantic, `core.config`) is
 the shape of an override: `section.key=value`, where `section` is one of the recipe's
 top-level sections. Whether the key exists below that section and whether the value has the
-right type is checked by `milepost.core.recipe_io` when launch_ray prepares the campaign
+right type is checked by `milepost.core.recipe_io` when start_ray prepares the campaign
 (the first thing a run does), with the same messages as `milepost run --set`.
 """
 
@@ -16,7 +16,7 @@ import re
 
 # The top-level keys of `milepost.core.config.Recipe` (a unit test keeps them equal).
 RECIPE_SECTIONS = ("seed", "campaign", "model", "data", "rollout", "reward", "filters", "algo", "train",
-                   "sync", "checkpoint", "loop", "eval", "cluster", "metrics", "hooks")
+                   "precision", "sync", "checkpoint", "loop", "eval", "cluster", "metrics", "hooks")
 
 _KEY = r"[A-Za-z_][A-Za-z0-9_]*"
 # `seed=3`, `train.lr=1e-4`, `cluster.slurm.partition=gpu`: a known section, dotted key, `=`, a value.
@@ -27,7 +27,7 @@ OVERRIDES_DESCRIPTION = (
     f"(e.g. `train.lr=1e-4`, `cluster.executor=slurm`). The key must start with a recipe section: "
     f"{', '.join(RECIPE_SECTIONS)}. Values are read as YAML (`3` is an int, `true` a bool). "
     "A campaign keeps the recipe it was started with: overrides that change it are refused "
-    "by launch_ray; start a new campaign URL instead.")
+    "by start_ray; start a new campaign URL instead.")
 
 
 # The schema of one override. Airflow refuses a bad one with jsonschema's own message, which

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from airflow.sdk import BaseOperator
+from milepost.core.records import block_label, block_path
 from milepost.dags.operators import embedded
 
 
@@ -26,7 +27,7 @@ def next_run_id(block: int, after_run_id: str) -> str:
     without nesting run ids (`block_2__after__block_1__after__…`)."""
     import hashlib
 
-    return f"block_{block:06d}__{hashlib.sha256(after_run_id.encode()).hexdigest()[:12]}"
+    return f"{block_label(block)}__{hashlib.sha256(after_run_id.encode()).hexdigest()[:12]}"
 
 
 def publish_note(context: Any, note: str, log: Any) -> None:
@@ -45,19 +46,16 @@ class ProgressOperator(BaseOperator):
     ui_color = "#e3f1df"
 
     def execute(self, context: Any) -> dict[str, Any]:
-        import yaml
-        from milepost.core.recipe_io import recipe_from_dict
         from milepost.core.store import CampaignStore
+        from milepost.tasks.block_summary import SUMMARY_MD, format_summary, read_block_summary, write_block_report
         from milepost.tasks.progression import after_evaluate, as_dict
 
         params = context["params"]
         url, block = str(params["campaign_url"]), int(params["block"])
         store = CampaignStore(url)
-        recipe = recipe_from_dict(yaml.safe_load(store.read_text("campaign.yaml")), "campaign.yaml")
-        from milepost.tasks.block_summary import format_summary, read_block_summary, write_block_report
-
+        recipe = store.load_recipe()
         decision = after_evaluate(store, recipe, block)
-        exists = store.exists("blocks", f"{block:06d}", "summary.md")
+        exists = store.exists(block_path(block, SUMMARY_MD))
         summary = read_block_summary(store, block) if exists else write_block_report(store, block)
         table = format_summary(summary)
         publish_note(context, table, self.log)

@@ -16,7 +16,7 @@ Where the API is and who the task is, in this order:
 
 A note is a convenience: when it cannot be set, the task logs why and what to configure,
 and the block goes on. Under `dag.test()` (embedded `milepost run`) there is no API server;
-the driver sets the note in the run's database itself (`set_note_in_db`).
+the driver sets the note in the run's database itself (tasks/airflow_local.set_note_in_db).
 """
 
 from __future__ import annotations
@@ -113,20 +113,3 @@ def set_run_note(dag_id: str, run_id: str, note: str) -> str | None:
         return (f"the Airflow API at {target.base_url} could not be reached ({e}); set `[api] base_url` or the "
                 f"connection `{API_CONN_ID}` to where the API server listens")
     return None
-
-
-def set_note_in_db(dag_id: str, run_id: str, note: str) -> None:
-    """The embedded case (dag.test(), no API server): write the note in the run's database as
-    Airflow's own PATCH handler does (a new note, or the existing note's text replaced)."""
-    from airflow.models.dagrun import DagRun
-    from airflow.utils.session import create_session
-    from sqlalchemy import select
-
-    with create_session() as session:
-        run = session.scalar(select(DagRun).where(DagRun.dag_id == dag_id, DagRun.run_id == run_id))
-        if run is None:
-            raise LookupError(f"no DAG run {dag_id}/{run_id} in this Airflow's database")
-        if run.dag_run_note is None:
-            run.note = (note[:1000], None)
-        else:
-            run.dag_run_note.content = note[:1000]

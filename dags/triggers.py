@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
+from milepost.core.records import StageRecord
 
 # Clock slack between the worker that submitted a job and the process that recorded its end.
 _CLOCK_SLACK_S = 2.0
@@ -78,20 +79,20 @@ class StageJobTrigger(BaseTrigger):
             "lease_owner": self.lease_owner, "stderr_path": self.stderr_path})
 
     # --- the store (blocking: called through asyncio.to_thread) ------------------------------
-    def _record(self) -> dict[str, Any]:
+    def _record(self) -> StageRecord | None:
         from milepost.core.store import CampaignStore  # fsspec only
 
-        return CampaignStore(self.campaign_url).stage_record(self.block, self.stage) or {}
+        return CampaignStore(self.campaign_url).stage_record(self.block, self.stage)
 
-    def _finished_now(self, record: dict[str, Any]) -> bool:
+    def _finished_now(self, record: StageRecord | None) -> bool:
         """Done by this submission (teardown reruns and rewrites an older `done`)."""
-        return record.get("state") == "done" and float(record.get("finished_at") or 0.0) >= \
+        return record is not None and record.done and float(record.finished_at or 0.0) >= \
             self.submitted_at - _CLOCK_SLACK_S
 
-    def _event(self, status: str, detail: str, record: dict[str, Any], **extra: Any) -> TriggerEvent:
+    def _event(self, status: str, detail: str, record: StageRecord | None, **extra: Any) -> TriggerEvent:
         return TriggerEvent({"status": status, "campaign_url": self.campaign_url, "block": self.block,
                              "stage": self.stage, "executor": self.executor, "job_id": self.job_id,
-                             "record_state": record.get("state"), "detail": detail,
+                             "record_state": record.state.value if record else None, "detail": detail,
                              # ISO 8601: Airflow logs the event into the task log ("Trigger fired event")
                              "submitted_at": iso_time(self.submitted_at), "stderr_path": self.stderr_path,
                              **extra})
@@ -127,7 +128,7 @@ class StageJobTrigger(BaseTrigger):
         while True:
             lost = await asyncio.to_thread(self._renew_lease)
             if lost:
-                return self._event("failed", lost, {})
+                return self._event("failed", lost, None)
             record = await asyncio.to_thread(self._record)
             if self._finished_now(record):
                 return self._event("done", "stage recorded done", record)
@@ -136,7 +137,7 @@ class StageJobTrigger(BaseTrigger):
                 if self._finished_now(record):
                     return self._event("done", "stage recorded done", record)
                 return self._event("failed", f"local job {self.job_id} ended without recording the stage done "
-                                             f"(record: {record.get('state') or 'none'})", record)
+                                             f"(record: {record.state if record else 'none'})", record)
             await asyncio.sleep(self.poll_interval_s)
 
     async def _wait_slurm(self) -> TriggerEvent:
@@ -147,18 +148,18 @@ class StageJobTrigger(BaseTrigger):
             lost = await asyncio.to_thread(self._renew_lease)
             if lost:
                 waiting.cancel()
-                return self._event("failed", lost, {})
+                return self._event("failed", lost, None)
             await asyncio.wait({waiting}, timeout=max(self.poll_interval_s, 1.0))
         state = waiting.result()
         record = await asyncio.to_thread(self._record)
         extra = {"outcome": state.outcome.value, "slurm_state": state.slurm_state, "exit_code": state.exit_code}
-        if state.outcome is Outcome.DONE and record.get("state") == "done":
+        if state.outcome is Outcome.DONE and record is not None and record.done:
             return self._event("done", f"Slurm job {self.job_id} completed", record, **extra)
         exit_code = f", exit code:signal {state.exit_code}" if state.exit_code else ""
         return self._event("failed", f"Slurm job {self.job_id} ended {state.outcome.value} "
                                      f"({state.slurm_state or 'no Slurm state'}{exit_code}) on "
                                      f"{state.nodes or 'no node'}; stage record: "
-                                     f"{record.get('state') or 'none'}", record, **extra)
+                                     f"{record.state if record else 'none'}", record, **extra)
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         started = time.monotonic()

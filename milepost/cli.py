@@ -73,9 +73,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         recipe = load_recipe(args.recipe, args.overrides)
         campaign_url = args.campaign or str(Path("runs") / Path(args.recipe).stem)
         if args.dry_run:
-            from milepost.tasks.dry_run import check_campaign_path, dry_run_report
+            from milepost.core.records import check_campaign_url
+            from milepost.tasks.dry_run import dry_run_report
 
-            check_campaign_path(campaign_url)
+            check_campaign_url(campaign_url)
             print(dry_run_report(recipe, args.recipe, campaign_url), end="")
             return EXIT_OK
         prepared = prepare_campaign(recipe, campaign_url)

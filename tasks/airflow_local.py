@@ -20,12 +20,25 @@ stage jobs die with it too (`MILEPOST_EMBEDDED_DRIVER_PID`, read by the stage op
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
 from pathlib import Path
 
 import yaml
+from milepost.core.records import (
+    CAMPAIGNS_FILE_ENV,
+    DRIVER_PID_ENV,
+    EMBEDDED_DRIVER_PID_ENV,
+    LEASE_OWNER_ENV,
+    RECIPE_DOC,
+    Stage,
+    StageRecord,
+    block_label,
+    block_path,
+    campaign_id,
+)
 from milepost.core.store import CampaignStore
 from milepost.tasks.failures import block_failure, is_user_error, stage_failure
 
@@ -35,9 +48,10 @@ EMBEDDED_RETRY_DELAY_S = 5.0
 
 
 def dags_folder() -> Path:
-    import milepost.dags
-
-    return Path(milepost.dags.__file__).resolve().parent
+    """Where the DAG files are, found without importing them (tasks/ never imports dags/)."""
+    spec = importlib.util.find_spec("milepost.dags")
+    assert spec is not None and spec.submodule_search_locations, "milepost.dags is part of the package"
+    return Path(next(iter(spec.submodule_search_locations))).resolve()
 
 
 def embedded_home(store: CampaignStore) -> Path:
@@ -45,7 +59,7 @@ def embedded_home(store: CampaignStore) -> Path:
 
 
 def block_log(store: CampaignStore, block: int) -> Path:
-    return embedded_home(store) / "logs" / f"block_{block:06d}.log"
+    return embedded_home(store) / "logs" / f"{block_label(block)}.log"
 
 
 def airflow_env(home: Path, campaigns_file: Path | None = None, **extra: str) -> dict[str, str]:
@@ -53,7 +67,7 @@ def airflow_env(home: Path, campaigns_file: Path | None = None, **extra: str) ->
     env = {**os.environ, "AIRFLOW_HOME": str(home), "AIRFLOW__CORE__DAGS_FOLDER": str(dags_folder()),
            "AIRFLOW__CORE__LOAD_EXAMPLES": "False", "AIRFLOW__LOGGING__COLORED_CONSOLE_LOG": "False", **extra}
     if campaigns_file is not None:
-        env["MILEPOST_CAMPAIGNS_FILE"] = str(campaigns_file)
+        env[CAMPAIGNS_FILE_ENV] = str(campaigns_file)
     return env
 
 
@@ -62,15 +76,9 @@ def embedded_env(store: CampaignStore, dag_id: str, driver_pid: int, lease_owner
     (home / "logs").mkdir(parents=True, exist_ok=True)
     listing = home / "campaigns.yaml"
     listing.write_text(yaml.safe_dump([{
-        "recipe": os.path.abspath(store.local_path("campaign.yaml")), "campaign_url": store.url if "://" in store.url
-        else os.path.abspath(store.url), "dag_id": dag_id, "tags": ["embedded"],
+        "recipe": os.path.abspath(store.local_path(RECIPE_DOC)), "campaign_url": campaign_id(store.url),
+        "dag_id": dag_id, "tags": ["embedded"],
         "poll_interval_s": EMBEDDED_POLL_S, "retry_delay_s": EMBEDDED_RETRY_DELAY_S}]))
-    from milepost.dags.names import (
-        DRIVER_PID_ENV,
-        EMBEDDED_DRIVER_PID_ENV,
-        LEASE_OWNER_ENV,
-    )
-
     return airflow_env(home, listing, **{EMBEDDED_DRIVER_PID_ENV: str(driver_pid), DRIVER_PID_ENV: str(driver_pid),
                                          LEASE_OWNER_ENV: lease_owner})
 
@@ -112,13 +120,12 @@ class _BlockLog:
 
 def run_embedded_blocks(url: str, dag_id: str) -> int:
     """The child's loop: one dag.test() per block until done, paused, stopped or failed."""
-    from milepost.core.recipe_io import recipe_from_dict
     from milepost.tasks.progression import after_evaluate, next_block
     from milepost.tasks.stage import _die_with_driver
 
     _die_with_driver()
     store = CampaignStore(url)
-    recipe = recipe_from_dict(yaml.safe_load(store.read_text("campaign.yaml")), "campaign.yaml")
+    recipe = store.load_recipe()
     logs = _BlockLog()
     block = next_block(store, recipe)
     if block is None:
@@ -140,7 +147,7 @@ def run_embedded_blocks(url: str, dag_id: str) -> int:
             run = dag.test(run_conf={"campaign_url": url, "block": block, "overrides": [], "resume": False},
                            logical_date=None)
             state = str(getattr(run.state, "value", run.state))
-            store.write_json(f"blocks/{block:06d}/dag_run.json", {
+            store.write_json(block_path(block, "dag_run.json"), {
                 "mode": "embedded", "dag_id": dag_id, "run_id": run.run_id, "state": state,
                 "started_at": started, "ended_at": time.time()})
             failed = block_failure(lambda stage: store.stage_record(block, stage), since=started)
@@ -167,19 +174,17 @@ def run_embedded_blocks(url: str, dag_id: str) -> int:
 
 
 def _note_run(store: CampaignStore, block: int, dag_id: str, run_id: str, state: str,
-              failed: tuple[str, dict] | None, logs: _BlockLog) -> None:
+              failed: tuple[Stage, StageRecord] | None, logs: _BlockLog) -> None:
     """The run's note, as a scheduler's run gets it from its tasks (dags/progress.py,
     dags/block_failed.py): under dag.test() there is no API server, so the driver writes it
     into the run's database (the embedded Airflow's UI shows it when pointed at that home)."""
-    from milepost.dags.run_note import set_note_in_db
     from milepost.tasks.block_summary import failure_note, format_summary, read_block_summary
 
     if state == "success":
         note = format_summary(read_block_summary(store, block))
     elif failed:
         stage, record = failed
-        note = failure_note(block, stage, record.get("error") or "no error recorded", record.get("error_kind"),
-                            record.get("log"))
+        note = failure_note(block, stage, record.error or "no error recorded", record.error_kind, record.log)
     else:
         note = failure_note(block, None, f"the run ended {state}; its task log says why", None,
                             str(block_log(store, block)))
@@ -189,8 +194,26 @@ def _note_run(store: CampaignStore, block: int, dag_id: str, run_id: str, state:
         logs.user.write(f"milepost: block {block}'s DAG run note was not set ({type(e).__name__}: {e})\n")
 
 
+def set_note_in_db(dag_id: str, run_id: str, note: str) -> None:
+    """The embedded case (dag.test(), no API server): write the note in the run's database as
+    Airflow's own PATCH handler does (a new note, or the existing note's text replaced).
+    A scheduler's runs get theirs through the REST API instead (dags/run_note.py)."""
+    from airflow.models.dagrun import DagRun
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+
+    with create_session() as session:
+        run = session.scalar(select(DagRun).where(DagRun.dag_id == dag_id, DagRun.run_id == run_id))
+        if run is None:
+            raise LookupError(f"no DAG run {dag_id}/{run_id} in this Airflow's database")
+        if run.dag_run_note is None:
+            run.note = (note[:1000], None)
+        else:
+            run.dag_run_note.content = note[:1000]
+
+
 def _failure_message(store: CampaignStore, block: int, state: str,
-                     failed: tuple[str, dict] | None) -> str:
+                     failed: tuple[Stage, StageRecord] | None) -> str:
     """What the user reads first: the failed stage and its root error, then where to look."""
     head = f"milepost: block {block}'s DAG run {state}"
     if failed is None:  # killed from outside: nothing recorded, the task log says what Airflow saw

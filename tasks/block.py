@@ -1,4 +1,5 @@
-"""One block: launch_ray → rollout → train → sync → evaluate, then teardown whatever happened.
+"""One block: start_ray → start_engines → run_steps → publish → evaluate, then teardown
+whatever happened.
 
 Every stage is its own job submitted through the executor interface (`cluster.executor`:
 local processes, or Slurm jobs) running `milepost.tasks.stage.run_stage`; this driver only
@@ -6,17 +7,17 @@ submits, waits and reports. Stages share nothing in memory: they read and write 
 
 On Slurm, each stage is a small one-node sbatch job (submitit, job name `mp-<stage>-b<N>`)
 that joins the allocation's Ray head by its recorded address; the allocation itself is the
-job `mp-ray-b<N>`. Why not `srun --jobid=<allocation> --overlap` steps: launch_ray cannot
+job `mp-ray-b<N>`. Why not `srun --jobid=<allocation> --overlap` steps: start_ray cannot
 be a step of the allocation it creates, teardown must run while (and after) the allocation
 is cancelled, and a step cannot be requeued on its own. Separate jobs go through the one
 executor interface, are requeued by Slurm on a node failure, and appear in `sacct` by name.
 On the dev cluster they fit beside the allocation (each node has 2 CPUs; the allocation
 holds 1 per node).
 
-A block left unfinished by a killed `milepost run` (its launch_ray record not `released`)
+A block left unfinished by a killed `milepost run` (its start_ray record not `released`)
 is torn down first from its records (the old Ray cluster, the old fleet, stage jobs still
-running), then launched again: train resumes from the last committed checkpoint, and
-done train/sync/evaluate records are kept.
+running), then launched again: run_steps resumes from the last committed checkpoint, and
+done run_steps/publish/evaluate records are kept.
 """
 
 from __future__ import annotations
@@ -29,14 +30,20 @@ from pathlib import Path
 from typing import Any
 
 from milepost.core.config import Recipe
+from milepost.core.records import (
+    BLOCK_STAGES,
+    DRIVER_PID_ENV,
+    TIMINGS_DOC,
+    Stage,
+    StageState,
+    block_path,
+    campaign_id,
+)
 from milepost.core.store import CampaignStore
-from milepost.tasks.context import campaign_id
 from milepost.tasks.failures import is_user_error, stage_failure
-from milepost.tasks.stage import DRIVER_PID_ENV, run_stage
+from milepost.tasks.stage import run_stage
 
 log = logging.getLogger(__name__)
-
-BLOCK_STAGES = ("launch_ray", "rollout", "train", "sync", "evaluate")
 
 
 def build_executor(recipe: Recipe, store: CampaignStore) -> Any:
@@ -67,12 +74,12 @@ class BlockRunner:
 
     # --- the block ------------------------------------------------------------------------
     def run_block(self, block: int) -> None:
-        if (self.store.stage_record(block, "evaluate") or {}).get("state") == "done":
+        if self.store.stage_done(block, Stage.EVALUATE):
             log.info("block %d already done", block)
             return
-        launch = self.store.stage_record(block, "launch_ray")
-        if launch and launch.get("state") != "released":
-            log.info("block %d: releasing what a previous run left (%s)", block, launch.get("mode"))
+        launch = self.store.stage_record(block, Stage.START_RAY)
+        if launch and launch.state is not StageState.RELEASED:
+            log.info("block %d: releasing what a previous run left (%s)", block, launch.outputs.get("mode"))
             self.teardown(block)
         retries = self.recipe.cluster.max_block_retries
         for attempt in range(retries + 1):
@@ -91,10 +98,10 @@ class BlockRunner:
     def _run_stages(self, block: int) -> None:
         timings: dict[str, Any] = {"executor": self.executor.name, "stages": {}}
         for stage in BLOCK_STAGES:
-            timings["stages"][stage] = self._run(block, stage)
-            self.store.write_json(f"blocks/{block:06d}/timings.json", timings)
+            timings["stages"][stage.value] = self._run(block, stage)
+            self.store.write_json(block_path(block, TIMINGS_DOC), timings)
 
-    def _run(self, block: int, stage: str) -> dict[str, float]:
+    def _run(self, block: int, stage: Stage) -> dict[str, float]:
         """Submit one stage job and wait for it; its driver-side timings."""
         from milepost.slurm.executor import JobError
 
@@ -102,21 +109,21 @@ class BlockRunner:
         job = self.executor.submit(run_stage, self.url, block, stage, name=f"mp-{stage}-b{block}")
         log.info("block %d: %s submitted (%s job %s)", block, stage, self.executor.name, job.job_id)
         try:
-            if stage == "train" and self.show_progress:
+            if stage is Stage.RUN_STEPS and self.show_progress:
                 self._show_progress(block, job)
             record = job.result()
         except JobError as e:
-            record = self.store.stage_record(block, stage) or {}
+            record = self.store.stage_record(block, stage)
             raise StageFailed(f"block {block} stage {stage} failed ({self.executor.name} job {job.job_id}): "
                               f"{stage_failure(record, str(e), str(job.stderr_path))}",
                               user_error=is_user_error(record)) from e
         returned = time.time()
         log.info("block %d: %s done in %.1fs", block, stage, returned - submitted)
-        return {"job_id": job.job_id, "submitted_at": submitted, "started_at": record.get("started_at", 0.0),
-                "finished_at": record.get("finished_at", 0.0), "returned_at": returned}
+        return {"job_id": job.job_id, "submitted_at": submitted, "started_at": record.started_at or 0.0,
+                "finished_at": record.finished_at or 0.0, "returned_at": returned}
 
     def _show_progress(self, block: int, job: Any) -> None:
-        """A progress bar of the train stage job, read from the block's metrics file."""
+        """A progress bar of the run_steps stage job, read from the block's metrics file."""
         from tqdm import tqdm
 
         first = block * self.recipe.campaign.steps_per_block
@@ -133,13 +140,13 @@ class BlockRunner:
         """The teardown stage as a job; in this process if that job could not run (the
         allocation must be released whatever happened)."""
         try:
-            self._run(block, "teardown")
+            self._run(block, Stage.TEARDOWN)
         except Exception as e:  # noqa: BLE001 - fall back, then report
             log.warning("block %d: teardown job failed (%s); tearing down from this process", block, e)
-            run_stage(self.url, block, "teardown")
+            run_stage(self.url, block, Stage.TEARDOWN)
 
     def _report_eval(self, block: int) -> None:
-        accuracy = self.store.stage_record(block, "evaluate")["eval"]["accuracy"]
+        accuracy = (self.store.block_eval(block) or {})["accuracy"]
         base = self.store.read_json("base_eval.json")["accuracy"] if self.store.exists("base_eval.json") else None
         versus = f" (base policy {base:.3f}, {accuracy - base:+.3f})" if base is not None else ""
         log.info("block %d (last: %d): held-out accuracy %.3f%s", block, self.recipe.campaign.num_blocks - 1,
@@ -148,5 +155,5 @@ class BlockRunner:
 
 def stage_summary(store: CampaignStore, block: int) -> str:
     """The block's driver-side timings, as JSON (for tools and benchmarks)."""
-    rel = f"blocks/{block:06d}/timings.json"
+    rel = block_path(block, TIMINGS_DOC)
     return json.dumps(store.read_json(rel) if store.exists(rel) else {}, indent=2)

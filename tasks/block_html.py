@@ -1,6 +1,6 @@
 """blocks/N/report.html: one self-contained page per block (no file beside it needed, so it can
 be mailed, attached to a ticket or opened from a copy of the store): the block's summary
-table, the campaign's curves so far as an embedded PNG, and one row per train step.
+table, the campaign's curves so far as an embedded PNG, and one row per RL step.
 
 Standard library only; written at the end of the evaluate stage's task (and by `progress`,
 idempotently) with the summary it shows.
@@ -12,6 +12,7 @@ import base64
 import html
 from typing import Any, Iterable
 
+from milepost.core.records import block_path
 from milepost.core.store import CampaignStore
 from milepost.tasks.block_summary import REPORT_HTML
 
@@ -42,7 +43,7 @@ def _table(head: Iterable[str], rows: Iterable[Iterable[str]], numeric_from: int
 
 
 def step_table(rows: list[dict[str, Any]]) -> str:
-    """One row per train step of the block, the columns the train log shows."""
+    """One row per RL step of the block, the columns the run_steps log shows."""
     body = [[str(r.get("step"))] + [_cell(r.get(key), fmt) for key, _, fmt in STEP_COLUMNS] for r in rows]
     return _table(["step", *(head for _, head, _ in STEP_COLUMNS)], body)
 
@@ -55,7 +56,7 @@ def render_report(title: str, summary_rows: list[tuple[str, str]], png: bytes | 
     return (f"<!doctype html>\n<html><head><meta charset=utf-8><title>{html.escape(title)}</title>"
             f"<style>{_STYLE}</style></head><body>\n<h1>{html.escape(title)}</h1>\n"
             f"{_table(['', ''], summary_rows)}\n<h2>Curves of the campaign so far</h2>\n{plot}\n"
-            f"<h2>Train steps of this block</h2>\n{step_table(steps)}\n</body></html>\n")
+            f"<h2>RL steps of this block</h2>\n{step_table(steps)}\n</body></html>\n")
 
 
 def write_html_report(store: CampaignStore, block: int, title: str, summary_rows: list[tuple[str, str]],
@@ -65,6 +66,6 @@ def write_html_report(store: CampaignStore, block: int, title: str, summary_rows
     if png_rel and store.exists(png_rel):
         with store.fs.open(store.path(png_rel), "rb") as f:
             png = f.read()
-    rel = f"blocks/{block:06d}/{REPORT_HTML}"
+    rel = block_path(block, REPORT_HTML)
     store.write_text_atomic(rel, render_report(title, summary_rows, png, store.read_metrics(block)))
     return store.path(rel)

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from milepost.core.records import GATE_DOC, TIMINGS_DOC, Stage, StageRecord, block_path
 from milepost.core.store import CampaignStore
 
 # Airflow 3.3.2 refuses a DAG-run note longer than this (DAGRunPatchBody.note, max_length).
@@ -63,24 +64,24 @@ def _previous_accuracy(store: CampaignStore, block: int) -> tuple[float | None, 
     if block == 0:
         base = store.read_json("base_eval.json") if store.exists("base_eval.json") else {}
         return base.get("accuracy"), "base policy"
-    record = store.stage_record(block - 1, "evaluate") or {}
-    return (record.get("eval") or {}).get("accuracy"), f"block {block - 1}"
+    return (store.block_eval(block - 1) or {}).get("accuracy"), f"block {block - 1}"
 
 
 def _wall_time(store: CampaignStore, block: int) -> float | None:
     """From the first stage's submission (or start) to evaluate's end, retries included."""
-    rel = f"blocks/{block:06d}/timings.json"
+    rel = block_path(block, TIMINGS_DOC)
     timings = (store.read_json(rel) if store.exists(rel) else {}).get("stages", {})
     starts = [float(t["submitted_at"]) for t in timings.values() if t.get("submitted_at")]
-    launch = store.stage_record(block, "launch_ray") or {}
-    if launch.get("started_at"):
-        starts.append(float(launch["started_at"]))
-    end = (store.stage_record(block, "evaluate") or {}).get("finished_at")
+    launch = store.stage_record(block, Stage.START_RAY)
+    if launch and launch.started_at:
+        starts.append(float(launch.started_at))
+    evaluated = store.stage_record(block, Stage.EVALUATE)
+    end = evaluated.finished_at if evaluated else None
     return float(end) - min(starts) if starts and end else None
 
 
 def _gate(store: CampaignStore, block: int) -> tuple[str | None, str]:
-    rel = f"blocks/{block:06d}/gate.json"
+    rel = block_path(block, GATE_DOC)
     if not store.exists(rel):
         return None, "not judged yet"
     doc = store.read_json(rel)
@@ -92,23 +93,28 @@ def _gate(store: CampaignStore, block: int) -> tuple[str | None, str]:
 
 def read_block_summary(store: CampaignStore, block: int) -> BlockSummary:
     """The block's numbers as the store holds them now (fields missing so far are None)."""
-    train = store.stage_record(block, "train") or {}
-    sync = store.stage_record(block, "sync") or {}
-    evaluation = (store.stage_record(block, "evaluate") or {}).get("eval") or {}
+    steps = _outputs(store, block, Stage.RUN_STEPS)
+    published = _outputs(store, block, Stage.PUBLISH)
+    evaluation = _outputs(store, block, Stage.EVALUATE).get("eval") or {}
     rewards = [float(r["rollout/reward_mean"]) for r in store.read_metrics(block) if "rollout/reward_mean" in r]
     previous, label = _previous_accuracy(store, block)
     gate, detail = _gate(store, block)
-    report = store.local_path("blocks", f"{block:06d}", REPORT_PNG)
+    png, page = block_path(block, REPORT_PNG), block_path(block, REPORT_HTML)
     return BlockSummary(
-        block=block, steps=tuple(train["steps"]) if train.get("steps") else None,
+        block=block, steps=tuple(steps["steps"]) if steps.get("steps") else None,
         accuracy=evaluation.get("accuracy"), previous_accuracy=previous, previous_label=label,
         reward_last=rewards[-1] if rewards else None,
         reward_mean=sum(rewards) / len(rewards) if rewards else None,
-        gate=gate, gate_detail=detail, checkpoint_step=sync.get("step"),
-        model_sha256=train.get("model_sha256"), wall_time_s=_wall_time(store, block),
-        report_path=report if store.exists("blocks", f"{block:06d}", REPORT_PNG) else None,
-        html_path=store.path("blocks", f"{block:06d}", REPORT_HTML)
-        if store.exists("blocks", f"{block:06d}", REPORT_HTML) else None)
+        gate=gate, gate_detail=detail, checkpoint_step=published.get("step"),
+        model_sha256=steps.get("model_sha256"), wall_time_s=_wall_time(store, block),
+        report_path=store.local_path(png) if store.exists(png) else None,
+        html_path=store.path(page) if store.exists(page) else None)
+
+
+def _outputs(store: CampaignStore, block: int, stage: Stage) -> dict[str, Any]:
+    """What the stage recorded of its own so far (empty when it has no record yet)."""
+    record = store.stage_record(block, stage)
+    return dict(record.outputs) if record else {}
 
 
 def _num(value: float | None, fmt: str = ".3f") -> str:
@@ -142,9 +148,8 @@ def format_summary(s: BlockSummary) -> str:
     table = "\n".join(["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
     text = f"{head}\n\n{table}"
     if len(text) > NOTE_MAX_CHARS and (s.report_path or s.html_path):  # a very deep store path: keep the numbers
-        rel = f"blocks/{s.block:06d}/"
-        return format_summary(replace(s, report_path=s.report_path and rel + REPORT_PNG,
-                                      html_path=s.html_path and rel + REPORT_HTML))
+        return format_summary(replace(s, report_path=s.report_path and block_path(s.block, REPORT_PNG),
+                                      html_path=s.html_path and block_path(s.block, REPORT_HTML)))
     return text[:NOTE_MAX_CHARS]
 
 
@@ -157,7 +162,7 @@ def draw_report(store: CampaignStore, block: int) -> str | None:
         return None
     from milepost.core.metrics.plot import plot_campaign
 
-    out = store.local_path("blocks", f"{block:06d}", REPORT_PNG)
+    out = store.local_path(block_path(block, REPORT_PNG))
     plot_campaign(store.url, out)
     return out
 
@@ -170,9 +175,9 @@ def write_block_report(store: CampaignStore, block: int) -> BlockSummary:
     draw_report(store, block)
     drawn = read_block_summary(store, block)
     write_html_report(store, block, f"milepost block {block}", summary_rows(replace(drawn, html_path=None)),
-                      f"blocks/{block:06d}/{REPORT_PNG}" if drawn.report_path else None)
+                      block_path(block, REPORT_PNG) if drawn.report_path else None)
     summary = read_block_summary(store, block)
-    store.write_text_atomic(f"blocks/{block:06d}/{SUMMARY_MD}", format_summary(summary) + "\n")
+    store.write_text_atomic(block_path(block, SUMMARY_MD), format_summary(summary) + "\n")
     return summary
 
 
@@ -200,7 +205,7 @@ def as_dict(s: BlockSummary) -> dict[str, Any]:
     return {**s.__dict__, "steps": list(s.steps) if s.steps else None}
 
 
-# Per step, in the train stage job's log: (metric key, label, format).
+# Per step, in the run_steps stage job's log: (metric key, label, format).
 _STEP_FIELDS = (("rollout/reward_mean", "reward", ".3f"), ("loss/kl", "kl", ".4f"), ("loss/entropy", "entropy", ".3f"),
                 ("rollout/response_len_mean", "response len", ".1f"), ("rollout/staleness", "staleness", ".0f"))
 
@@ -214,18 +219,17 @@ def step_line(row: dict[str, Any]) -> str:
     return f"step {row.get('step')}: " + ", ".join(parts)
 
 
-def stage_done_line(block: int, stage: str, record: dict[str, Any]) -> str:
+def stage_done_line(block: int, stage: Stage, record: StageRecord) -> str:
     """What a finished stage did, in words, for the end of its job's log."""
-    took = ""
-    if record.get("started_at") and record.get("finished_at"):
-        took = f" in {human_duration(float(record['finished_at']) - float(record['started_at']))}"
+    took = f" in {human_duration(record.duration_s)}" if record.started_at and record.finished_at else ""
     what = {
-        "launch_ray": lambda r: f"Ray at {r.get('address') or r.get('ray_address') or '?'}",
-        "rollout": lambda r: f"{len(r.get('engine_urls') or [])} engine(s) serving policy v{r.get('policy_version')}",
-        "train": lambda r: (f"steps {r['steps'][0]}-{r['steps'][1]}" if r.get("steps") else "no steps") + (
+        Stage.START_RAY: lambda r: f"Ray at {r.get('address') or r.get('ray_address') or '?'}",
+        Stage.START_ENGINES: lambda r: f"{len(r.get('engine_urls') or [])} engine(s) serving policy "
+                                       f"v{r.get('policy_version')}",
+        Stage.RUN_STEPS: lambda r: (f"steps {r['steps'][0]}-{r['steps'][1]}" if r.get("steps") else "no steps") + (
             f", model sha256 {r['model_sha256'][:12]}" if r.get("model_sha256") else ""),
-        "sync": lambda r: f"checkpoint of step {r.get('step')} exported to {r.get('export_path')}",
-        "evaluate": lambda r: f"held-out accuracy {(r.get('eval') or {}).get('accuracy', float('nan')):.3f}",
-        "teardown": lambda r: "the block's cluster and fleet released",
-    }.get(stage, lambda r: "")(record)
+        Stage.PUBLISH: lambda r: f"checkpoint of step {r.get('step')} exported to {r.get('export_path')}",
+        Stage.EVALUATE: lambda r: f"held-out accuracy {(r.get('eval') or {}).get('accuracy', float('nan')):.3f}",
+        Stage.TEARDOWN: lambda r: "the block's cluster and fleet released",
+    }[stage](record.outputs)
     return f"block {block} {stage} done{took}: {what}"

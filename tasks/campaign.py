@@ -24,6 +24,15 @@ from milepost.core.model.loading import check_model_path, validation_tokenizer
 from milepost.core.model.moe import check_routing_replay
 from milepost.core.quant.modes import check_precision, local_device
 from milepost.core.recipe_io import RecipeError, dump_recipe, recipe_diff, same_recipe
+from milepost.core.records import (
+    BLOCK_STAGES,
+    RECIPE_DOC,
+    Stage,
+    StageRecord,
+    campaign_id,
+    check_campaign_url,
+    dag_id_for,
+)
 from milepost.core.store import CampaignStore
 
 log = logging.getLogger(__name__)
@@ -63,12 +72,6 @@ def _prompt_limit(recipe: Recipe) -> PromptLimit | None:
     return PromptLimit(tokenizer, limit, setting)
 
 
-def _check_campaign_url(url: str) -> None:
-    if "://" not in url and os.path.exists(url) and not os.path.isdir(url):
-        raise UserError(f"--campaign {url} is a file; a campaign is a folder (or a store URL): pass a new "
-                        "folder name, or the folder of an existing campaign")
-
-
 def _check_catalog(recipe: Recipe) -> None:
     """`model.catalog` only matters to `milepost plan`, but a name it would refuse is a typo now."""
     if recipe.model.catalog is None:
@@ -96,18 +99,18 @@ def validate_resources(recipe: Recipe) -> None:
 def prepare_campaign(recipe: Recipe, url: str) -> PreparedCampaign:
     """Validates everything first; only then writes (or checks) the stored recipe, so bad
     input leaves no trace in the store."""
-    _check_campaign_url(url)
+    check_campaign_url(url)
     validate_resources(recipe)
     store = CampaignStore(url)
     resolved = dump_recipe(recipe)
-    if store.exists("campaign.yaml"):
-        stored = store.read_text("campaign.yaml")
+    if store.is_campaign():
+        stored = store.read_text(RECIPE_DOC)
         if not same_recipe(stored, recipe):
             raise RecipeError(
                 f"campaign {url} was started with a different recipe; resume it with the same "
                 f"recipe, or pass a new --campaign. What changed:\n{recipe_diff(stored, resolved)}")
     else:
-        store.write_text_atomic("campaign.yaml", resolved)
+        store.write_text_atomic(RECIPE_DOC, resolved)
     return PreparedCampaign(recipe=recipe, store=store)
 
 
@@ -118,7 +121,6 @@ def run_campaign(prepared: PreparedCampaign, show_progress: bool = True, resume:
 
     Raises LeaseHeldError (another run writes the campaign) or CampaignPaused (paused or
     stopped and not `resume`) before any block starts."""
-    from milepost.dags.names import dag_id_for
     from milepost.tasks.airflow_local import EXIT_DONE, child_command, embedded_env
     from milepost.tasks.lease import LeaseKeeper, local_owner
     from milepost.tasks.progression import check_can_start, next_block
@@ -131,7 +133,7 @@ def run_campaign(prepared: PreparedCampaign, show_progress: bool = True, resume:
             log.info("campaign %s is complete (%d blocks)", store.url, recipe.campaign.num_blocks)
             return EXIT_DONE
         check_can_start(store, recipe, block, resume)
-        url = store.url if "://" in store.url else os.path.abspath(store.url)
+        url = campaign_id(store.url)
         dag_id = dag_id_for(recipe.campaign.name)
         child = subprocess.Popen(child_command(url, dag_id), env=embedded_env(store, dag_id, os.getpid(), owner))
         try:
@@ -141,9 +143,6 @@ def run_campaign(prepared: PreparedCampaign, show_progress: bool = True, resume:
                 child.terminate()
             child.wait()
         return child.returncode
-
-
-STAGES = ("launch_ray", "rollout", "train", "sync", "evaluate")
 
 
 def _follow(store: CampaignStore, recipe: Recipe, child: subprocess.Popen, show_progress: bool) -> None:
@@ -160,15 +159,14 @@ def _follow(store: CampaignStore, recipe: Recipe, child: subprocess.Popen, show_
     while True:
         running = child.poll() is None
         for b in () if current is None else (current,):
-            for stage in STAGES:
-                record = store.stage_record(b, stage) or {}
-                if record.get("state") == "done" and (b, stage) not in shown:
+            for stage in BLOCK_STAGES:
+                record = store.stage_record(b, stage)
+                if record and record.done and (b, stage) not in shown:
                     shown.add((b, stage))
                     if line:
                         line.clear()
-                    took = float(record.get("finished_at", 0.0)) - float(record.get("started_at", 0.0))
-                    log.info("block %d: %s done (%.1fs)", b, stage, took)
-                    if stage == "evaluate":
+                    log.info("block %d: %s done (%.1fs)", b, stage, record.duration_s or 0.0)
+                    if stage is Stage.EVALUATE:
                         _report_eval(store, recipe, b, record)
         block = next_block(store, recipe) if running else None
         if block is not None and block != current:
@@ -186,8 +184,8 @@ def _follow(store: CampaignStore, recipe: Recipe, child: subprocess.Popen, show_
         line.clear()
 
 
-def _report_eval(store: CampaignStore, recipe: Recipe, block: int, record: dict) -> None:
-    accuracy = record["eval"]["accuracy"]
+def _report_eval(store: CampaignStore, recipe: Recipe, block: int, record: StageRecord) -> None:
+    accuracy = record.outputs["eval"]["accuracy"]
     base = store.read_json("base_eval.json")["accuracy"] if store.exists("base_eval.json") else None
     versus = f" (base policy {base:.3f}, {accuracy - base:+.3f})" if base is not None else ""
     log.info("block %d (last: %d): held-out accuracy %.3f%s", block, recipe.campaign.num_blocks - 1, accuracy, versus)

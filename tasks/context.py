@@ -4,24 +4,16 @@ cluster and fleet as the store records them (never in-memory objects of another 
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
-
 from milepost.core.checkpoint import CheckpointManager
 from milepost.core.config import Recipe
-from milepost.core.recipe_io import recipe_from_dict
+from milepost.core.records import Stage, StageRecord, StageState, block_path, campaign_id
 from milepost.core.store import CampaignStore
 
 FLEET_DOC = "fleet.json"
 ENGINE_ADMIN_KEY = "engine_admin_key"  # secret name: the engines' --admin-api-key (core/secrets.py)
-
-
-def campaign_id(url: str) -> str:
-    """A stable id of the campaign: its absolute store location."""
-    return url if "://" in url else os.path.abspath(url)
 
 
 @dataclass
@@ -39,22 +31,22 @@ class StageContext:
     @classmethod
     def open(cls, url: str, block: int, show_progress: bool = False) -> "StageContext":
         store = CampaignStore(url)
-        if not store.exists("campaign.yaml"):
-            raise ValueError(f"{url} is not a campaign (no campaign.yaml): start it with `milepost run`")
-        recipe = recipe_from_dict(yaml.safe_load(store.read_text("campaign.yaml")), "campaign.yaml")
+        recipe = store.load_recipe()
         checkpoints = CheckpointManager(store.local_path("checkpoints"), recipe.checkpoint.keep_last)
         return cls(campaign_id(url), block, recipe, store, checkpoints, show_progress)
 
     # --- records --------------------------------------------------------------------------
-    def record(self, stage: str) -> dict[str, Any]:
-        return self.store.stage_record(self.block, stage) or {}
+    def record(self, stage: Stage) -> StageRecord | None:
+        return self.store.stage_record(self.block, stage)
 
-    def update(self, stage: str, **fields: Any) -> None:
+    def update(self, stage: Stage, **fields: Any) -> StageRecord:
         """Merge `fields` into the stage's record now (e.g. a pid, before waiting on it)."""
-        self.store.write_stage_record(self.block, stage, {**self.record(stage), **fields})
+        record = (self.record(stage) or StageRecord(StageState.RUNNING)).merged(**fields)
+        self.store.write_stage_record(self.block, stage, record)
+        return record
 
     def block_path(self, *parts: str) -> str:
-        return self.store.local_path("blocks", f"{self.block:06d}", *parts)
+        return self.store.local_path(block_path(self.block, *parts))
 
     def last_step(self) -> int:
         return (self.block + 1) * self.recipe.campaign.steps_per_block
@@ -71,11 +63,11 @@ class StageContext:
         to any cluster on the node, another campaign's included)."""
         import ray
 
-        launch = self.record("launch_ray")
-        address = launch.get("address")
-        if not address or launch.get("state") not in ("done", "running"):
-            raise RuntimeError(f"block {self.block} has no live Ray cluster recorded ({launch.get('state')}): "
-                               "launch_ray must run first")
+        launch = self.record(Stage.START_RAY)
+        address = launch.outputs.get("address") if launch else None
+        if not address or launch.state not in (StageState.DONE, StageState.RUNNING):
+            raise RuntimeError(f"block {self.block} has no live Ray cluster recorded "
+                               f"({launch.state if launch else 'no start_ray record'}): start_ray must run first")
         _check_reachable(address, launch)
         if not ray.is_initialized():
             from milepost.tasks.ray_auth import use_campaign_ray_auth
@@ -94,19 +86,19 @@ class StageContext:
 
     # --- the block's fleet --------------------------------------------------------------------
     def write_fleet(self, doc: dict[str, Any]) -> None:
-        self.store.write_json(f"blocks/{self.block:06d}/{FLEET_DOC}", doc)
+        self.store.write_json(block_path(self.block, FLEET_DOC), doc)
 
     def fleet_doc(self) -> dict[str, Any] | None:
-        rel = f"blocks/{self.block:06d}/{FLEET_DOC}"
+        rel = block_path(self.block, FLEET_DOC)
         return self.store.read_json(rel) if self.store.exists(rel) else None
 
     def attach_fleet(self) -> Any:
-        """The fleet the rollout stage started, with a supervisor of this stage's own."""
+        """The fleet the start_engines stage started, with a supervisor of this stage's own."""
         from milepost.core.engine.fleet import Fleet
 
         doc = self.fleet_doc()
         if doc is None:
-            raise RuntimeError(f"block {self.block} has no fleet recorded: the rollout stage must run first")
+            raise RuntimeError(f"block {self.block} has no fleet recorded: the start_engines stage must run first")
         self.connect()
         fleet = Fleet.attach(doc, self.recipe.rollout, on_change=self.write_fleet,
                              admin_key_path=self.engine_admin_key_path())
@@ -126,16 +118,17 @@ class StageContext:
         return resolve_model_path(self.recipe.model, self.recipe.seed)
 
 
-def _check_reachable(address: str, launch: dict[str, Any]) -> None:
+def _check_reachable(address: str, launch: StageRecord) -> None:
     """Fail in seconds, not after Ray's long connect timeout, when the block's cluster is
     gone (its allocation ended, a node lost): the driver then relaunches the block."""
     import socket
 
-    if launch.get("mode") == "slurm":
+    if launch.outputs.get("mode") == "slurm":
         from milepost.slurm.state import Outcome, query_states_blocking
-        state = query_states_blocking([launch["job_id"]])[launch["job_id"]]
+        job_id = launch.outputs["job_id"]
+        state = query_states_blocking([job_id])[job_id]
         if state.outcome is not Outcome.RUNNING:
-            raise RuntimeError(f"the block's Ray allocation {launch['job_id']} is {state.slurm_state or state.outcome}, "
+            raise RuntimeError(f"the block's Ray allocation {job_id} is {state.slurm_state or state.outcome}, "
                                "not running: its cluster is gone")
     host, port = address.rsplit(":", 1)
     try:

@@ -15,35 +15,36 @@ from __future__ import annotations
 
 import os
 import shlex
-from pathlib import Path
 
 from milepost.core.config import Recipe
-from milepost.core.engine.launcher import FREE_PORT, NODE_IP, PLACEHOLDERS, Deferred, engine_command, engine_gpus
+from milepost.core.engine.launcher import (
+    FREE_PORT,
+    NODE_IP,
+    PLACEHOLDERS,
+    Deferred,
+    engine_command,
+    engine_gpus,
+)
 from milepost.core.engine.router import router_command
 from milepost.core.model.moe import is_moe_model
 from milepost.core.placement import GROUP_NAME, Placement
+from milepost.core.records import Stage, block_path, campaign_id
 from milepost.core.secrets import secret_path
 from milepost.tasks.context import ENGINE_ADMIN_KEY
 from milepost.tasks.ray_auth import _USER_SETTINGS, RAY_TOKEN_SECRET
 
-STAGES = ("launch_ray", "rollout", "train", "sync", "evaluate", "teardown")
 RANK_CPUS = 0.25  # = core.train.torch_backend.RANK_NUM_CPUS (importing that imports torch; a test compares)
-
-
-def store_root(campaign_url: str) -> str:
-    """Where the campaign's files would be (a local folder, absolute; a URL as given)."""
-    return campaign_url if "://" in campaign_url else os.path.abspath(campaign_url)
 
 
 def dry_run_report(recipe: Recipe, recipe_path: str, campaign_url: str, block: int = 0) -> str:
     """The whole report as text. Raises ValueError (LaunchError) for launch parameters an
     engine cannot honour, like the real launch would."""
-    root = store_root(campaign_url)
+    root = campaign_id(campaign_url)  # where the campaign's files would be
     out = [f"milepost dry run of {recipe_path}: campaign store {root} (nothing started, nothing written)",
            f"{recipe.campaign.num_blocks} blocks of {recipe.campaign.steps_per_block} steps; block {block} shown "
            "(every block submits the same jobs; later blocks serve the last checkpoint's weights)",
            f"executor: {recipe.cluster.executor}", ""]
-    out += _launch_ray(recipe, root, block)
+    out += _start_ray(recipe, root, block)
     out += _stage_jobs(recipe, root, block)
     out += fleet_lines(recipe, root, block)
     out += ["", "placeholders, filled in on the engine's node at launch:"]
@@ -52,7 +53,7 @@ def dry_run_report(recipe: Recipe, recipe_path: str, campaign_url: str, block: i
 
 
 def _block_path(root: str, block: int, *parts: str) -> str:
-    return "/".join([root.rstrip("/"), "blocks", f"{block:06d}", *parts])
+    return "/".join([root.rstrip("/"), block_path(block, *parts)])
 
 
 def _ray_auth_env(root: str) -> dict[str, str]:
@@ -63,7 +64,7 @@ def _ray_auth_env(root: str) -> dict[str, str]:
     return {"RAY_AUTH_MODE": mode, "RAY_AUTH_TOKEN_PATH": str(secret_path(root, RAY_TOKEN_SECRET))}
 
 
-def _launch_ray(recipe: Recipe, root: str, block: int) -> list[str]:
+def _start_ray(recipe: Recipe, root: str, block: int) -> list[str]:
     from milepost.slurm.sbatch import RayAllocationSpec, RayPorts, render_ray_allocation
 
     ports = RayPorts.for_campaign(root)
@@ -71,7 +72,7 @@ def _launch_ray(recipe: Recipe, root: str, block: int) -> list[str]:
         from milepost.tasks.local_ray import head_command
 
         cmd = head_command(ports, "/tmp/mp-ray-{random}")
-        return ["== launch_ray: a local Ray head (ports: the campaign's slot, or the next free one)",
+        return [f"== {Stage.START_RAY}: a local Ray head (ports: the campaign's slot, or the next free one)",
                 "  " + shlex.join(cmd), ""]
     cluster = recipe.cluster
     import sys
@@ -81,17 +82,17 @@ def _launch_ray(recipe: Recipe, root: str, block: int) -> list[str]:
         ports=ports, log_dir=_block_path(root, block, "logs"), address_file=_block_path(root, block, "ray-address"),
         python=sys.executable, ray_temp_root="/tmp", join_timeout_s=900, env=_ray_auth_env(root))
     script = render_ray_allocation(spec).split("# --- body ---")[0].rstrip()
-    return [f"== launch_ray: sbatch {_block_path(root, block, 'ray.sbatch')} (the block's Ray allocation, "
+    return [f"== {Stage.START_RAY}: sbatch {_block_path(root, block, 'ray.sbatch')} (the block's Ray allocation, "
             f"{cluster.num_nodes} node(s)); its directives and values (the body that follows is "
             "slurm/sbatch.py's fixed script):", *("  | " + line for line in script.splitlines()), ""]
 
 
 def _stage_jobs(recipe: Recipe, root: str, block: int) -> list[str]:
     out = ["== stage jobs (each waits for the one before; teardown runs whatever happened)"]
-    for stage in STAGES:
+    for stage in Stage:
         name = f"mp-{stage}-b{block}"
         call = shlex.join(["python", "-m", "milepost.tasks.stage", "--campaign", root, "--block", str(block),
-                           "--stage", stage])
+                           "--stage", stage.value])
         out.append(f"  {stage}: job {name}: milepost.tasks.stage.run_stage (by hand: {call})")
     if recipe.cluster.executor == "slurm":
         from milepost.slurm.slurm_executor import submitit_parameters
@@ -105,7 +106,7 @@ def _stage_jobs(recipe: Recipe, root: str, block: int) -> list[str]:
 
 
 def fleet_lines(recipe: Recipe, root: str, block: int = 0) -> list[str]:
-    """The rollout stage's fleet: placement bundles, each engine's launch command, the router."""
+    """The start_engines stage's fleet: placement bundles, each engine's launch command, the router."""
     r = recipe.rollout
     placement = Placement(recipe.cluster.placement, recipe.train.num_ranks, r.num_engines, RANK_CPUS, engine_gpus(r))
     colocated = placement.mode == "colocated"
@@ -116,7 +117,7 @@ def fleet_lines(recipe: Recipe, root: str, block: int = 0) -> list[str]:
     template = engine_command(r, model, "0", colocated=colocated, host=host, admin_key=True, lora=recipe.train.lora,
                               moe=is_moe_model(recipe.model.path), precision=recipe.precision.rollout)
     bundles = placement.bundles()
-    out = [f"== rollout: {r.num_engines} × {r.engine} engine (TP {r.engine_tensor_parallel}), {placement.mode}, "
+    out = [f"== {Stage.START_ENGINES}: {r.num_engines} × {r.engine} engine (TP {r.engine_tensor_parallel}), {placement.mode}, "
            f"as detached Ray actors; placement group {GROUP_NAME} (PACK), bundles: {bundles}",
            f"  trainer: {recipe.train.num_ranks} {recipe.train.backend} ranks, rank r on bundle r"]
     gpus = engine_gpus(r)
@@ -144,9 +145,3 @@ def fleet_lines(recipe: Recipe, root: str, block: int = 0) -> list[str]:
                    f"{recipe.cluster.slurm.gpus_per_node}: one bundle cannot span nodes, and the fleet does not "
                    "launch multi-node engines yet (the launcher renders --dist-init-addr/--nnodes/--node-rank)")
     return out
-
-
-def check_campaign_path(campaign_url: str) -> None:
-    """A --campaign that is an existing file is a mistake the real run would also refuse."""
-    if "://" not in campaign_url and Path(campaign_url).is_file():
-        raise ValueError(f"--campaign {campaign_url} is a file; pass a folder or store URL")

@@ -1,8 +1,8 @@
-"""rollout, sync, evaluate: the stages that start or use the block's fleet.
+"""start_engines, publish, evaluate: the stages that start or use the block's fleet.
 
-rollout starts the fleet as detached named actors on the block's Ray cluster (it outlives
-this stage and dies with the cluster) and records it in blocks/N/fleet.json; sync and
-evaluate re-attach to it from that record.
+start_engines starts the fleet as detached named actors on the block's Ray cluster (it
+outlives this stage and dies with the cluster) and records it in blocks/N/fleet.json;
+publish and evaluate re-attach to it from that record.
 """
 
 from __future__ import annotations
@@ -11,10 +11,15 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from milepost.core.records import Stage
 from milepost.tasks.context import StageContext
 
 
-def rollout(ctx: StageContext) -> dict[str, Any]:
+def start_engines(ctx: StageContext) -> dict[str, Any]:
+    """The rollout fleet (engines behind a router) serving the latest committed policy, every
+    engine health-checked. At the campaign's start (policy version 0) it also measures the base
+    policy on the eval set (base_eval.json, once): the fleet is up here, and the base policy
+    must be measured before run_steps changes it."""
     from milepost.core.engine.fleet import Fleet, stop_fleet_actors
     from milepost.core.evaluate import record_base_eval
     from milepost.core.placement import placement_for
@@ -23,7 +28,7 @@ def rollout(ctx: StageContext) -> dict[str, Any]:
     ctx.connect()
     leftovers = stop_fleet_actors()  # an earlier, killed attempt of this stage may have left some
     if leftovers:
-        ctx.update("rollout", stopped_leftover_actors=leftovers)
+        ctx.update(Stage.START_ENGINES, stopped_leftover_actors=leftovers)
     latest = ctx.checkpoints.latest_valid()
     model_path = ctx.model_path()
     lora = ctx.recipe.train.lora  # engines keep the base weights and load the checkpoint's adapter
@@ -60,9 +65,11 @@ def rollout(ctx: StageContext) -> dict[str, Any]:
             "router_pid": doc["router"]["pid"]}
 
 
-def sync(ctx: StageContext) -> dict[str, Any]:
+def publish(ctx: StageContext) -> dict[str, Any]:
+    """The block's final checkpoint exported in HF format (exports/<step>), and every engine
+    checked to serve that policy version."""
     latest = ctx.checkpoints.latest_valid()
-    assert latest and latest.step == ctx.last_step(), "train must commit the block's checkpoint"
+    assert latest and latest.step == ctx.last_step(), "run_steps must commit the block's checkpoint"
     export = Path(ctx.store.local_path("exports", f"{latest.step:08d}"))
     if not export.exists():
         shutil.copytree(latest.path / "hf", export)
@@ -79,6 +86,8 @@ def sync(ctx: StageContext) -> dict[str, Any]:
 
 
 def evaluate(ctx: StageContext) -> dict[str, Any]:
+    """Held-out accuracy of the policy the fleet serves, also sent to the metric sinks (the
+    regression gate is applied after this stage, by tasks.progression.after_evaluate)."""
     from milepost.core.evaluate import evaluate_fleet
     from milepost.core.metrics.publish import publish_eval
 

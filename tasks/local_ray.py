@@ -1,7 +1,7 @@
 """A block's local Ray head (the embedded default), started and stopped by pid.
 
 The head runs as `ray start --head --block` in a session of its own, so it outlives the
-launch_ray job and is not hit by signals meant for the driver's process group. Ports come
+start_ray job and is not hit by signals meant for the driver's process group. Ports come
 from the campaign's slot (as on Slurm) and are checked free here, moving to the next slot
 when another cluster holds them: two campaigns on one machine never share a port.
 """

@@ -15,7 +15,7 @@ accuracy more than that below the best block's pauses the campaign and marks the
 
 Resume (`resume_paused`): the regressed block's final checkpoint is set aside as
 `checkpoints/rejected-<step>-<time>` and the best block's checkpoint is committed again under
-that step number, so the next block's train stage — which resumes from the newest committed
+that step number, so the next block's run_steps stage — which resumes from the newest committed
 checkpoint and numbers steps by block — starts from the best weights, optimizer and data
 cursor. Why a copy of the best one: `checkpoint.keep_last` prunes it long before a
 regression is seen. Hard links cost no space: committed checkpoint files are never rewritten.
@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 from milepost.core.checkpoint import MANIFEST, STATE, CheckpointManager
 from milepost.core.config import Recipe
+from milepost.core.records import GATE_DOC, Stage, block_path
 from milepost.core.store import CampaignStore
 
 PROGRESS_DOC = "progress.json"
@@ -55,18 +56,15 @@ def read_progress(store: CampaignStore) -> dict[str, Any]:
 
 
 def _accuracy(store: CampaignStore, block: int) -> float:
-    record = store.stage_record(block, "evaluate") or {}
-    if record.get("state") != "done":
+    evaluation = store.block_eval(block)
+    if evaluation is None:
         raise RuntimeError(f"block {block} has no finished evaluate record: the gate runs after evaluate")
-    return float(record["eval"]["accuracy"])
+    return float(evaluation["accuracy"])
 
 
 def next_block(store: CampaignStore, recipe: Recipe) -> int | None:
     """The first block whose evaluate is not done; None when the campaign is complete."""
-    for block in range(recipe.campaign.num_blocks):
-        if (store.stage_record(block, "evaluate") or {}).get("state") != "done":
-            return block
-    return None
+    return next((b for b in range(recipe.campaign.num_blocks) if not store.stage_done(b, Stage.EVALUATE)), None)
 
 
 def _hardlink_tree(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> None:
@@ -108,7 +106,7 @@ def after_evaluate(store: CampaignStore, recipe: Recipe, block: int) -> Decision
     """Apply the gate to a block whose evaluate is done; record the verdict; what comes next.
     Idempotent: a block already judged keeps its verdict."""
     progress = read_progress(store)
-    gate_rel = f"blocks/{block:06d}/gate.json"
+    gate_rel = block_path(block, GATE_DOC)
     if store.exists(gate_rel):
         verdict = store.read_json(gate_rel)
     else:
@@ -167,7 +165,7 @@ def check_can_start(store: CampaignStore, recipe: Recipe, block: int, resume: bo
     if expected is None:
         raise CampaignPaused(f"campaign {store.url} is complete ({recipe.campaign.num_blocks} blocks done); "
                              "raise campaign.num_blocks in a new campaign to train further")
-    if block != expected and (store.stage_record(block, "evaluate") or {}).get("state") != "done":
+    if block != expected and not store.stage_done(block, Stage.EVALUATE):
         raise CampaignPaused(f"block {block} cannot start: block {expected} is the next block of {store.url}")
     if progress["paused"] or progress["stop_requested"]:
         if not resume:

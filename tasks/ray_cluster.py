@@ -1,7 +1,7 @@
-"""launch_ray and teardown: the block's Ray cluster, owned through its records only.
+"""start_ray and teardown: the block's Ray cluster, owned through its records only.
 
 local: a `ray start --head --block` process in a session of its own (it outlives the
-launch_ray job), on ports of its own, with a temp dir of its own. The record holds its pid
+start_ray job), on ports of its own, with a temp dir of its own. The record holds its pid
 and temp dir before the head is even started, so teardown finds every process of it: the
 recorded pids, their descendants, and processes whose command line holds that unique temp
 dir (Ray's own session processes). SIGTERM, then SIGKILL. Never `ray stop` (it stops every
@@ -13,8 +13,8 @@ as soon as sbatch answers; teardown is `scancel` of that id (the allocation's tr
 its own Ray steps, and slurmstepd kills whatever is left of them).
 
 teardown also stops stage jobs that a killed `milepost run` left `running` (by the pid or
-Slurm job id in their record), and marks launch_ray/rollout `released`, so the next run of
-the block launches them again.
+Slurm job id in their record), and marks start_ray/start_engines `released`, so the next run
+of the block starts them again.
 """
 
 from __future__ import annotations
@@ -27,20 +27,21 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import psutil
 
+from milepost.core.records import BLOCK_STAGES, Stage, StageRecord, StageState
 from milepost.tasks.context import StageContext
 from milepost.tasks.local_ray import free_ray_ports, start_local_head, stop_processes
 from milepost.tasks.ray_auth import ray_auth_env
 
 LAUNCH_TIMEOUT_S = 600
 LAUNCH_ATTEMPTS = 3
-OWNED_STAGES = ("launch_ray", "rollout", "train", "sync", "evaluate")
 
 
-def launch_ray(ctx: StageContext) -> dict[str, Any]:
+def start_ray(ctx: StageContext) -> dict[str, Any]:
     if ctx.recipe.cluster.executor == "local":
         return _launch_local(ctx)
     return _launch_slurm(ctx)
@@ -51,12 +52,12 @@ def _launch_local(ctx: StageContext) -> dict[str, Any]:
     # finds the head's processes by it.
     temp_dir = f"/tmp/mp-ray-{uuid.uuid4().hex[:10]}"
     ports = free_ray_ports(ctx.url)
-    ctx.update("launch_ray", mode="local", temp_dir=temp_dir, launched_at=time.time())
+    launched_at = time.time()
+    ctx.update(Stage.START_RAY, mode="local", temp_dir=temp_dir, launched_at=launched_at)
     head = start_local_head(ports, temp_dir, Path(ctx.block_path("logs", "ray-head.log")), ray_auth_env(ctx.store),
-                            on_started=lambda pid, created: ctx.update("launch_ray", pids=[pid],
+                            on_started=lambda pid, created: ctx.update(Stage.START_RAY, pids=[pid],
                                                                        pids_created_at=[created]))
-    return {"mode": "local", "temp_dir": temp_dir, "launched_at": ctx.record("launch_ray")["launched_at"],
-            **head, "num_nodes": 1}
+    return {"mode": "local", "temp_dir": temp_dir, "launched_at": launched_at, **head, "num_nodes": 1}
 
 
 def _launch_slurm(ctx: StageContext) -> dict[str, Any]:
@@ -70,9 +71,9 @@ def _launch_slurm(ctx: StageContext) -> dict[str, Any]:
         except AllocationFailed:
             if attempt == LAUNCH_ATTEMPTS - 1:
                 raise
-    ctx.update("launch_ray", address=address)
+    record = ctx.update(Stage.START_RAY, address=address)
     return {"mode": "slurm", "job_id": job_id, "address": address, "num_nodes": ctx.recipe.cluster.num_nodes,
-            "node_ips": _node_ips(ctx), "submitted_at": ctx.record("launch_ray")["submitted_at"]}
+            "node_ips": _node_ips(ctx), "submitted_at": record.outputs["submitted_at"]}
 
 
 def _submit_allocation(ctx: StageContext, attempt: int) -> tuple[str, Path]:
@@ -93,8 +94,9 @@ def _submit_allocation(ctx: StageContext, attempt: int) -> tuple[str, Path]:
     script.write_text(render_ray_allocation(spec))
     job_id = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True,
                             check=True, timeout=60).stdout.strip().split(";")[0]
-    first = ctx.record("launch_ray").get("submitted_at") or time.time()
-    ctx.update("launch_ray", mode="slurm", job_id=job_id, submitted_at=first, attempt=attempt)
+    earlier = ctx.record(Stage.START_RAY)
+    first = (earlier.outputs.get("submitted_at") if earlier else None) or time.time()
+    ctx.update(Stage.START_RAY, mode="slurm", job_id=job_id, submitted_at=first, attempt=attempt)
     return job_id, address_file
 
 
@@ -130,48 +132,54 @@ def _node_ips(ctx: StageContext) -> list[str]:
 def teardown(ctx: StageContext) -> dict[str, Any]:
     """Release what the block's records say it owns; safe to run any number of times."""
     stopped_jobs = _stop_leftover_stages(ctx)
-    launch = ctx.record("launch_ray")
+    launch = ctx.record(Stage.START_RAY)
+    started = launch.outputs if launch else {}
     released: dict[str, Any] = {}
-    if launch.get("mode") == "local":
-        released["killed_pids"] = _teardown_local(ctx, launch)
-    elif launch.get("mode") == "slurm" and launch.get("job_id"):
-        released["cancelled_job"] = _cancel_slurm_job(launch["job_id"], wait=True)
-    for stage in ("launch_ray", "rollout"):
+    if started.get("mode") == "local":
+        released["killed_pids"] = _teardown_local(ctx, started)
+    elif started.get("mode") == "slurm" and started.get("job_id"):
+        released["cancelled_job"] = _cancel_slurm_job(started["job_id"], wait=True)
+    # What the next run of the block must start again (the later stages' outputs stand).
+    for stage in (Stage.START_RAY, Stage.START_ENGINES):
         record = ctx.record(stage)
-        if record and record.get("state") in ("done", "running", "aborted", "failed"):
-            ctx.update(stage, state="released", released_at=time.time())
+        if record and record.state is not StageState.RELEASED:
+            ctx.update(stage, state=StageState.RELEASED, released_at=time.time())
     return {**released, "stopped_stages": stopped_jobs}
 
 
-def _teardown_local(ctx: StageContext, launch: dict[str, Any]) -> list[int]:
-    pids = list(zip(launch.get("pids", []), launch.get("pids_created_at", [])))
+def _teardown_local(ctx: StageContext, started: Mapping[str, Any]) -> list[int]:
+    pids = list(zip(started.get("pids", []), started.get("pids_created_at", [])))
     fleet = ctx.fleet_doc() or {}
     # Engines and the router are descendants of the head; their recorded pids are a second
     # way to find them should the raylet already be gone. Only processes newer than the head.
-    since = launch.get("launched_at", 0.0)
+    since = started.get("launched_at", 0.0)
     extra = [e["pid"] for e in fleet.get("engines", [])] + [(fleet.get("router") or {}).get("pid")]
-    killed = stop_processes(pids, launch.get("temp_dir"), [p for p in extra if p], since)
-    if launch.get("temp_dir", "").startswith("/tmp/mp-ray-"):  # ours alone: a fresh name per launch
-        shutil.rmtree(launch["temp_dir"], ignore_errors=True)
+    killed = stop_processes(pids, started.get("temp_dir"), [p for p in extra if p], since)
+    if started.get("temp_dir", "").startswith("/tmp/mp-ray-"):  # ours alone: a fresh name per launch
+        shutil.rmtree(started["temp_dir"], ignore_errors=True)
     return killed
 
 
 def _stop_leftover_stages(ctx: StageContext) -> list[str]:
     """Stage jobs still `running` per their record (a killed driver's): stop them."""
     me = os.environ.get("SLURM_JOB_ID")
-    stopped = []
-    for stage in OWNED_STAGES:
+    stopped: list[str] = []
+    for stage in BLOCK_STAGES:
         record = ctx.record(stage)
-        if record.get("state") != "running":
+        if record is None or record.state is not StageState.RUNNING:
             continue
-        job_id = record.get("slurm_job_id")
-        if job_id and job_id != me:
-            _cancel_slurm_job(job_id, wait=True)
-        elif not job_id and record.get("pid") and record["pid"] != os.getpid():
-            _kill_recorded(record["pid"], record.get("pid_created_at"))
-        ctx.update(stage, state="aborted", aborted_at=time.time())
-        stopped.append(stage)
+        _stop_recorded(record, me)
+        ctx.update(stage, state=StageState.ABORTED, aborted_at=time.time())
+        stopped.append(stage.value)
     return stopped
+
+
+def _stop_recorded(record: StageRecord, my_slurm_job: str | None) -> None:
+    """The stage job a running record names (by its Slurm job id, else its pid), unless it is this job."""
+    if record.slurm_job_id and record.slurm_job_id != my_slurm_job:
+        _cancel_slurm_job(record.slurm_job_id, wait=True)
+    elif not record.slurm_job_id and record.pid and record.pid != os.getpid():
+        _kill_recorded(record.pid, record.pid_created_at)
 
 
 def _kill_recorded(pid: int, created_at: float | None) -> None:

@@ -4,9 +4,9 @@
 The stage reads the recipe from the campaign store (campaign.yaml), runs exactly one stage
 and writes its record. Idempotent: a `done` record is returned as it is; otherwise the
 stage runs (a partial one resumes from the store) and its record is written. Stages talk to
-each other ONLY through store records: the Ray address (launch_ray), the fleet's actor
+each other ONLY through store records: the Ray address (start_ray), the fleet's actor
 names and URLs (blocks/N/fleet.json), checkpoints. `teardown` always runs: it releases
-whatever the block's records say it owns.
+whatever the block's records say it owns. The stages and their records: core/records.py.
 
 While it runs, the record says `running` with this process's pid (and Slurm job id): a
 later `milepost run` stops a stage left over from a killed run by that record, never by name.
@@ -27,13 +27,13 @@ from typing import Any, Callable
 
 import psutil
 
+from milepost.core.records import DRIVER_PID_ENV, Stage, StageRecord, StageState, parse_stage
+from milepost.core.store import CampaignStore
 from milepost.tasks.context import StageContext
 from milepost.tasks.ray_auth import campaign_ray_auth
 
 log = logging.getLogger(__name__)
 
-STAGES = ("launch_ray", "rollout", "train", "sync", "evaluate", "teardown")
-DRIVER_PID_ENV = "MILEPOST_DRIVER_PID"
 USER_ERROR_EXIT = 2  # a stage job that exits 2 failed on the user's input: retrying cannot help
 
 
@@ -41,16 +41,17 @@ def _now() -> float:
     return round(time.time(), 3)
 
 
-def _stage_fn(stage: str) -> Callable[[StageContext], dict[str, Any]]:
-    # Imported on demand: launch_ray and teardown need neither torch nor the engines.
-    if stage in ("launch_ray", "teardown"):
+def _stage_fn(stage: Stage) -> Callable[[StageContext], dict[str, Any]]:
+    # Imported on demand: start_ray and teardown need neither torch nor the engines.
+    if stage in (Stage.START_RAY, Stage.TEARDOWN):
         from milepost.tasks import ray_cluster
-        return {"launch_ray": ray_cluster.launch_ray, "teardown": ray_cluster.teardown}[stage]
-    if stage == "train":
-        from milepost.tasks.train import run_train_stage
-        return run_train_stage
+        return {Stage.START_RAY: ray_cluster.start_ray, Stage.TEARDOWN: ray_cluster.teardown}[stage]
+    if stage is Stage.RUN_STEPS:
+        from milepost.tasks.run_steps import run_steps
+        return run_steps
     from milepost.tasks import fleet_stages
-    return {"rollout": fleet_stages.rollout, "sync": fleet_stages.sync, "evaluate": fleet_stages.evaluate}[stage]
+    return {Stage.START_ENGINES: fleet_stages.start_engines, Stage.PUBLISH: fleet_stages.publish,
+            Stage.EVALUATE: fleet_stages.evaluate}[stage]
 
 
 def _die_with_driver() -> None:
@@ -69,31 +70,30 @@ def _die_with_driver() -> None:
     threading.Thread(target=watch, daemon=True, name="die-with-driver").start()
 
 
-def running_record(stage: str) -> dict[str, Any]:
+def running_record() -> StageRecord:
     me = psutil.Process()
     # `log`: where this job's output goes, kept in the done record too: a task retried after the
     # stage finished (its first try's log hidden by Airflow) can still point to it.
-    return {"state": "running", "started_at": _now(), "pid": me.pid, "pid_created_at": me.create_time(),
-            "host": socket.gethostname(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "log": own_log_path()}
+    return StageRecord(StageState.RUNNING, started_at=_now(), pid=me.pid, pid_created_at=me.create_time(),
+                       host=socket.gethostname(), slurm_job_id=os.environ.get("SLURM_JOB_ID"), log=own_log_path())
 
 
-def run_stage(campaign_url: str, block: int, stage: str, show_progress: bool = False) -> dict[str, Any]:
+def run_stage(campaign_url: str, block: int, stage: Stage | str, show_progress: bool = False) -> StageRecord:
     """Run one stage of one block (idempotent); returns its record."""
-    if stage not in STAGES:
-        raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
+    stage = parse_stage(stage)
     _die_with_driver()
     ctx = StageContext.open(campaign_url, block, show_progress=show_progress)
     with campaign_ray_auth(ctx.store):  # the head this stage starts, or the one it joins
         return _run_stage_in(ctx, block, stage)
 
 
-def _run_stage_in(ctx: StageContext, block: int, stage: str) -> dict[str, Any]:
+def _run_stage_in(ctx: StageContext, block: int, stage: Stage) -> StageRecord:
     if ctx.recipe.cluster.executor == "slurm" and os.environ.get("SLURM_JOB_ID"):
         _outlive_slurm_term()
     record = ctx.store.stage_record(block, stage)
-    if record and record.get("state") == "done" and stage != "teardown":
+    if record and record.done and stage is not Stage.TEARDOWN:
         return record
-    started = running_record(stage)
+    started = running_record()
     ctx.store.write_stage_record(block, stage, started)
     try:
         outputs = _stage_fn(stage)(ctx)
@@ -103,8 +103,8 @@ def _run_stage_in(ctx: StageContext, block: int, stage: str) -> dict[str, Any]:
     finally:
         ctx.disconnect()
     # Fields the stage recorded while running (pids, first step time) are kept.
-    record = {**(ctx.store.stage_record(block, stage) or started), "state": "done", "finished_at": _now(),
-              **outputs}
+    record = (ctx.store.stage_record(block, stage) or started).merged(state=StageState.DONE, finished_at=_now(),
+                                                                      **outputs)
     ctx.store.write_stage_record(block, stage, record)
     return record
 
@@ -118,16 +118,16 @@ def own_log_path() -> str | None:
         return None
 
 
-def record_failure(store: Any, block: int, stage: str, error: BaseException) -> None:
+def record_failure(store: CampaignStore, block: int, stage: Stage, error: BaseException) -> None:
     """The stage's record says `failed`, with the root error on one line, whether it was the
     user's (deterministic: not retried) or the runtime's, and where the whole log is. That is
     what `milepost run`, `milepost status` and the Airflow task log show."""
     from milepost.core.errors import root_error_line, user_error_in
 
-    record = store.stage_record(block, stage) or {}
-    store.write_stage_record(block, stage, {
-        **record, "state": "failed", "failed_at": _now(), "error": root_error_line(error),
-        "error_kind": "user" if user_error_in(error) else "runtime", "log": own_log_path()})
+    record = store.stage_record(block, stage) or StageRecord(StageState.FAILED)
+    store.write_stage_record(block, stage, record.merged(
+        state=StageState.FAILED, failed_at=_now(), error=root_error_line(error),
+        error_kind="user" if user_error_in(error) else "runtime", log=own_log_path()))
 
 
 def _outlive_slurm_term() -> None:
@@ -142,11 +142,19 @@ def _outlive_slurm_term() -> None:
         signal.signal(signal.SIGTERM, note)
 
 
+def _stage_arg(name: str) -> Stage:
+    try:
+        return parse_stage(name)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run one block stage of a campaign (idempotent).")
     parser.add_argument("--campaign", required=True, help="campaign store URL or folder")
     parser.add_argument("--block", type=int, required=True)
-    parser.add_argument("--stage", required=True, choices=STAGES)
+    parser.add_argument("--stage", required=True, type=_stage_arg, metavar="|".join(Stage),
+                        help="the stage (names from before the rename are read as the new ones)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # The job's log is what a user reads: one line per engine request would bury the steps.
@@ -165,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     from milepost.tasks.block_summary import stage_done_line
 
     log.info("%s", stage_done_line(args.block, args.stage, record))  # into the job's log, which tasks point to
-    print(json.dumps(record, indent=2))
+    print(json.dumps(record.to_dict(), indent=2))
     return 0
 
 

@@ -18,8 +18,9 @@ import time
 from typing import Any
 
 from milepost.core.checkpoint import CheckpointManager
+from milepost.core.records import GATE_DOC, Stage, StageRecord, StageState, block_path
 from milepost.core.store import CampaignStore
-from milepost.tasks.failures import BLOCK_STAGES, block_failure, stage_failure
+from milepost.tasks.failures import block_failure, stage_failure
 
 # The metrics a block's line shows (the last step's), in order: (key, label, format).
 LAST_METRICS = (("rollout/reward_mean", "reward", ".3f"), ("loss/kl", "kl", ".4f"),
@@ -45,19 +46,20 @@ def _last_metrics(store: CampaignStore, index: int) -> dict[str, Any]:
     return {"step": last.get("step"), **{key: last[key] for key, _, _ in LAST_METRICS if key in last}}
 
 
-def block_state(records: dict[str, dict[str, Any] | None], lease: dict[str, Any] | None,
+def block_state(records: dict[Stage, StageRecord | None], lease: dict[str, Any] | None,
                 paused: dict[str, Any] | None) -> tuple[str, str]:
     """(state, why) of one block from its stage records, the live lease (or None) and the
     campaign's pause (when it names this block)."""
-    if (records.get("evaluate") or {}).get("state") == "done":
+    evaluated = records.get(Stage.EVALUATE)
+    if evaluated and evaluated.done:
         return ("paused", paused["reason"]) if paused else ("done", "")
-    running = [s for s in BLOCK_STAGES if (records.get(s) or {}).get("state") == "running"]
+    running = [s for s in Stage if (r := records.get(s)) and r.state is StageState.RUNNING]
     failed = block_failure(records.get)
     if lease and (running or not failed):
-        return "running", running[0] if running else "between stages"
+        return "running", running[0].value if running else "between stages"
     if failed:
         stage, record = failed
-        return "failed", f"stage {stage}: {record.get('error') or 'no error recorded'}"
+        return "failed", f"stage {stage}: {record.error or 'no error recorded'}"
     if any(records.values()):
         return "interrupted", ("no live process holds the campaign's lease (the run was stopped or killed); "
                                "`milepost run` resumes it from its last checkpoint")
@@ -66,23 +68,23 @@ def block_state(records: dict[str, dict[str, Any] | None], lease: dict[str, Any]
 
 def _block_doc(store: CampaignStore, index: int, lease: dict[str, Any] | None,
                progress: dict[str, Any], newest: bool) -> dict[str, Any]:
-    records = {s: store.stage_record(index, s) for s in BLOCK_STAGES}
+    records = {s: store.stage_record(index, s) for s in Stage}
+    evaluated = records[Stage.EVALUATE]
     paused = progress.get("paused") if (progress.get("paused") or {}).get("block") == index else None
-    if paused is None and newest and progress.get("stop_requested") and \
-            (records.get("evaluate") or {}).get("state") == "done":
+    if paused is None and newest and progress.get("stop_requested") and evaluated and evaluated.done:
         paused = {"reason": f"a stop was requested ({progress['stop_requested'].get('by')})"}
     state, why = block_state(records, lease if newest else None, paused)
-    gate_rel = f"blocks/{index:06d}/gate.json"
+    gate_rel = block_path(index, GATE_DOC)
     doc = {"index": index, "state": state, "status": f"{state}: {why}" if why else state,
-           "stages_done": [s for s, r in records.items() if r and r.get("state") == "done"],
-           "eval": (records.get("evaluate") or {}).get("eval", {}),
+           "stages_done": [s.value for s in Stage if (r := records[s]) and r.done],
+           "eval": dict(evaluated.outputs.get("eval", {})) if evaluated else {},
            "gate": store.read_json(gate_rel).get("verdict") if store.exists(gate_rel) else None,
            "last_metrics": _last_metrics(store, index)}
     failed = block_failure(records.get)
     if failed and state == "failed":
         stage, record = failed
-        doc["failure"] = {"stage": stage, "error": record.get("error"), "error_kind": record.get("error_kind"),
-                          "log": record.get("log"), "failed_at": record.get("failed_at")}
+        doc["failure"] = {"stage": stage.value, "error": record.error, "error_kind": record.error_kind,
+                          "log": record.log, "failed_at": record.failed_at}
     return doc
 
 
@@ -90,7 +92,7 @@ def campaign_status(url: str) -> dict[str, Any]:
     from milepost.tasks.progression import read_progress
 
     store = CampaignStore(url)
-    if not store.exists("campaign.yaml"):
+    if not store.is_campaign():
         raise ValueError(f"{url} is not a campaign (no campaign.yaml); pass the folder given to "
                          "`milepost run --campaign`")
     lease = live_lease(store)
@@ -132,7 +134,8 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append(f"    {numbers}{_metrics_text(b.get('last_metrics') or {})}")
         if b.get("failure"):
             f = b["failure"]
-            lines.append(f"    {f['error_kind'] or 'unclassified'} error; {stage_failure({'state': 'failed', **f}, '')}")
+            failure = StageRecord(StageState.FAILED, error=f["error"], error_kind=f["error_kind"], log=f["log"])
+            lines.append(f"    {f['error_kind'] or 'unclassified'} error; {stage_failure(failure, '')}")
     ck = status["latest_checkpoint"]
     if ck:
         lines.append(f"  latest checkpoint: step {ck['step']}, policy v{ck['policy_version']}, "

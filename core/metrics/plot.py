@@ -1,5 +1,5 @@
 """`milepost status CAMPAIGN --plot out.png`: a campaign's curves against step, read from its
-store only (metrics.jsonl of every block, eval records, train starts, rollbacks).
+store only (metrics.jsonl of every block, eval records, run_steps starts, rollbacks).
 
 Drawn with matplotlib's Agg canvas on a Figure of its own (no pyplot state), so it runs
 headless and in-process. Steps after the last checkpoint of a running block are drawn too:
@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 
+from milepost.core.records import RECIPE_DOC, STEPS_STARTS_DOC, block_path
 from milepost.core.store import CampaignStore
 
 # (metric key, panel title): the issue's list, in reading order.
@@ -24,7 +25,7 @@ PANELS: tuple[tuple[str, str], ...] = (
     ("rollout/staleness", "staleness (policy versions)"),
     ("timing/step_s", "step time (s)"),
 )
-MARK_LABELS = {"block": "block start", "restart": "train resumed", "rollback": "rolled back to best"}
+MARK_LABELS = {"block": "block start", "restart": "run_steps resumed", "rollback": "rolled back to best"}
 
 
 @dataclass
@@ -45,7 +46,7 @@ def read_curves(store: CampaignStore) -> CampaignCurves:
     curves.series["eval/accuracy"] = _eval_points(store, steps_per_block)
     for block in store.block_indices():
         curves.block_starts.append((block, block * steps_per_block + 0.5))
-        rel = f"blocks/{block:06d}/train_starts.json"
+        rel = block_path(block, STEPS_STARTS_DOC)
         starts = store.read_json(rel) if store.exists(rel) else []
         curves.restarts.extend(s["from_step"] + 0.5 for s in starts[1:])
     progress = store.read_json("progress.json") if store.exists("progress.json") else {}
@@ -55,7 +56,7 @@ def read_curves(store: CampaignStore) -> CampaignCurves:
 
 def _steps_per_block(store: CampaignStore) -> int:
     # Read without the recipe schema: status must work on a campaign of an older milepost.
-    doc = yaml.safe_load(store.read_text("campaign.yaml")) or {}
+    doc = yaml.safe_load(store.read_text(RECIPE_DOC)) or {}
     return int(doc.get("campaign", {}).get("steps_per_block", 10))
 
 
@@ -64,8 +65,7 @@ def _eval_points(store: CampaignStore, steps_per_block: int) -> tuple[list[int],
     if store.exists("base_eval.json"):
         points.append((0, float(store.read_json("base_eval.json")["accuracy"])))
     for block in store.block_indices():
-        record = store.stage_record(block, "evaluate") or {}
-        accuracy = record.get("eval", {}).get("accuracy") if record.get("state") == "done" else None
+        accuracy = (store.block_eval(block) or {}).get("accuracy")
         if accuracy is not None:
             points.append(((block + 1) * steps_per_block, float(accuracy)))
     return [s for s, _ in points], [v for _, v in points]

@@ -1,6 +1,6 @@
 """The campaign's sinks, opened from its recipe, and the committed rows they are fed.
 
-Train rows come from the loop's state at a checkpoint commit (tasks/train.py); eval rows from
+Train rows come from the loop's state at a checkpoint commit (tasks/run_steps.py); eval rows from
 the store: the base policy's eval at step 0 and each evaluated block's at its last step."""
 
 from __future__ import annotations
@@ -12,13 +12,14 @@ from typing import Any
 
 from milepost.core.config import Recipe
 from milepost.core.metrics.sinks import MetricSink, SinkSet
+from milepost.core.records import STEPS_STARTS_DOC, block_path
 from milepost.core.store import CampaignStore
 
 log = logging.getLogger(__name__)
 
 
 def open_sinks(recipe: Recipe, store: CampaignStore) -> SinkSet:
-    """The recipe's sinks beyond jsonl (which the train stage writes itself); empty when none.
+    """The recipe's sinks beyond jsonl (which the run_steps stage writes itself); empty when none.
     A sink that cannot be opened (a tracking server down) is left out of this stage with a
     warning, not fatal: the next stage reads back what it holds and catches up."""
     sinks: list[MetricSink] = []
@@ -81,9 +82,9 @@ def eval_rows(store: CampaignStore, steps_per_block: int) -> list[dict[str, Any]
     if store.exists("base_eval.json"):
         rows.append({"step": 0, **_prefixed(store.read_json("base_eval.json"))})
     for block in store.block_indices():
-        record = store.stage_record(block, "evaluate")
-        if record and record.get("state") == "done":
-            rows.append(eval_row((block + 1) * steps_per_block, record.get("eval", {})))
+        evaluation = store.block_eval(block)
+        if evaluation is not None:
+            rows.append(eval_row((block + 1) * steps_per_block, evaluation))
     return rows
 
 
@@ -108,15 +109,12 @@ def publish_eval(recipe: Recipe, store: CampaignStore, step: int, evaluation: di
         sinks.close()
 
 
-TRAIN_STARTS = "train_starts.json"
-
-
 def record_train_start(store: CampaignStore, block: int, from_step: int) -> None:
-    """Append to blocks/<n>/train_starts.json: when a train stage (first or resumed) began and
-    from which committed step, so a plot can mark restarts."""
+    """Append to blocks/<n>/train_starts.json: when a run_steps stage (first or resumed) began
+    and from which committed step, so a plot can mark restarts."""
     import time
 
-    rel = f"blocks/{block:06d}/{TRAIN_STARTS}"
+    rel = block_path(block, STEPS_STARTS_DOC)
     starts = store.read_json(rel) if store.exists(rel) else []
     starts.append({"at": time.time(), "from_step": from_step})
     store.write_json(rel, starts)

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from milepost.core.records import block_path, stage_record_path
+
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = "recipes/tiny-arith.yaml"
 # Metric keys that differ between identical runs: wall-clock times and rates measured from them.
@@ -126,7 +128,7 @@ def kill_session(proc: subprocess.Popen) -> None:
 
 # --- reading the store ------------------------------------------------------------------------
 def record(campaign: Path, stage: str, block: int = 0) -> dict[str, Any]:
-    path = campaign / "blocks" / f"{block:06d}" / f"{stage}.json"
+    path = campaign / stage_record_path(block, stage)
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):  # absent, or being rewritten this instant
@@ -171,7 +173,7 @@ def final_state(campaign: Path, num_blocks: int, doc: dict[str, Any] | None = No
     doc = status(campaign) if doc is None else doc
     rows = []
     for b in range(num_blocks):
-        path = campaign / "blocks" / f"{b:06d}" / "metrics.jsonl"
+        path = campaign / block_path(b, "metrics.jsonl")
         if path.exists():
             rows += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     for row in rows:

@@ -9,8 +9,8 @@ that the final `model_sha256` equals an uninterrupted reference run's.
 
 Victims are found by pid only, from the records: the driver is the process this test
 started; a trainer rank, the Ray head's gcs_server/raylet and the head itself are in the
-process tree of the pid that `blocks/N/launch_ray.json` records; engines and the router by
-the pids of `blocks/N/fleet.json` (during the rollout stage's launch, before fleet.json,
+process tree of the pid that `blocks/N/start_ray.json` records; engines and the router by
+the pids of `blocks/N/fleet.json` (during the start_engines stage's launch, before fleet.json,
 engine actors are found in that tree); a Slurm stage job by the `slurm_job_id` or `pid` of
 its running stage record. Nothing is ever killed by name.
 """
@@ -31,6 +31,7 @@ from typing import Any, Callable
 import psutil
 
 import fault_campaign as cp
+from milepost.core.records import BLOCK_STAGES, Stage, block_path
 
 KINDS = ("driver", "trainer", "engine", "router", "ray_head", "slurm_stage")
 MAX_RERUNS = 3          # `milepost run` again after the faulted one, at most
@@ -46,19 +47,19 @@ def executor_of(kind: str) -> str:
 
 # --- moments ----------------------------------------------------------------------------------
 def anchors(kind: str, shape: cp.Shape, mode: str = "sync") -> list[str]:
-    """Where in block 0's life a fault of `kind` may land. `step:k`: the train stage runs and
+    """Where in block 0's life a fault of `kind` may land. `step:k`: the run_steps stage runs and
     k steps of the block are recorded (the kill hits step k+1 or its checkpoint);
-    `rollout:engines`: the rollout stage is launching its engines (actors exist, fleet.json
-    does not yet); a stage name: that stage's record says running."""
+    `start_engines:engines`: the start_engines stage is launching its engines (actors exist,
+    fleet.json does not yet); a stage name: that stage's record says running."""
     steps = [f"step:{k}" for k in range(shape.steps_per_block)]
     return {
-        "driver": ["launch_ray", "rollout:engines", "rollout", *steps, "sync", "evaluate"],
+        "driver": ["start_ray", "start_engines:engines", "start_engines", *steps, "publish", "evaluate"],
         # async: the last steps come in a burst (rollouts were ahead), the stage may end first
         "trainer": steps if mode == "sync" else steps[:-1] or steps,
         "engine": [*steps, "evaluate"],
         "router": [*steps, "evaluate"],
-        "ray_head": ["rollout", *steps, "evaluate"],
-        "slurm_stage": ["rollout", *steps, "evaluate"],
+        "ray_head": ["start_engines", *steps, "evaluate"],
+        "slurm_stage": ["start_engines", *steps, "evaluate"],
     }[kind]
 
 
@@ -101,12 +102,12 @@ def _block_steps(campaign: Path, block: int, shape: cp.Shape) -> int:
 def anchor_reached(campaign: Path, anchor: str, shape: cp.Shape, block: int = 0) -> bool:
     what, _, arg = anchor.partition(":")
     if what == "step":
-        return cp.record(campaign, "train", block).get("state") == "running" and \
+        return cp.record(campaign, "run_steps", block).get("state") == "running" and \
             _block_steps(campaign, block, shape) >= int(arg)
     if cp.record(campaign, what, block).get("state") != "running":
         return False
     if arg == "engines":
-        return not (campaign / "blocks" / f"{block:06d}" / "fleet.json").exists() and \
+        return not (campaign / block_path(block, "fleet.json")).exists() and \
             bool(ray_workers(campaign, "ray::EngineActor", block))
     return True
 
@@ -123,9 +124,9 @@ def _owned(pid: int, created_at: float | None) -> psutil.Process | None:
 
 
 def head_tree(campaign: Path, block: int = 0) -> list[psutil.Process]:
-    """The block's Ray head process(es) and their descendants, from launch_ray.json (local:
+    """The block's Ray head process(es) and their descendants, from start_ray.json (local:
     its pids; Slurm: the allocation's processes, whose command lines hold its job's temp dir)."""
-    launch = cp.record(campaign, "launch_ray", block)
+    launch = cp.record(campaign, "start_ray", block)
     roots: list[psutil.Process] = []
     if launch.get("mode") == "local":
         for pid, created in zip(launch.get("pids", []), launch.get("pids_created_at", [])):
@@ -181,7 +182,7 @@ def find_victims(p: Plan, campaign: Path, driver: subprocess.Popen, block: int =
     if p.kind == "ray_head":
         tree = head_tree(campaign, block)
         if p.variant == "head_tree":
-            launch = cp.record(campaign, "launch_ray", block)
+            launch = cp.record(campaign, "start_ray", block)
             return ([q.pid for q in tree], f"ray start --head {launch.get('pids')} and its {len(tree) - 1} "
                     "descendants") if tree else ([], "")
         procs = [q for q in tree if q.name() == p.variant]
@@ -190,7 +191,7 @@ def find_victims(p: Plan, campaign: Path, driver: subprocess.Popen, block: int =
 
 
 def _running_stage(campaign: Path, block: int = 0) -> tuple[str, dict[str, Any]] | None:
-    for stage in ("launch_ray", "rollout", "train", "sync", "evaluate"):
+    for stage in BLOCK_STAGES:
         rec = cp.record(campaign, stage, block)
         if rec.get("state") == "running" and rec.get("slurm_job_id"):
             return stage, rec
@@ -263,9 +264,9 @@ class Result:
 
 
 def _stage_now(campaign: Path, block: int = 0) -> str:
-    for stage in ("launch_ray", "rollout", "train", "sync", "evaluate", "teardown"):
+    for stage in Stage:
         if cp.record(campaign, stage, block).get("state") == "running":
-            return stage
+            return stage.value
     return ""
 
 
@@ -295,7 +296,7 @@ def leftovers(campaign: Path, shape: cp.Shape) -> list[psutil.Process]:
         procs.update({q.pid: q for q in head_tree(campaign, b)})
         doc = cp.fleet_doc(campaign, b)
         for pid in [e["pid"] for e in doc.get("engines", [])] + [(doc.get("router") or {}).get("pid")]:
-            if pid and (q := _owned(pid, None)) and q.create_time() >= cp.record(campaign, "launch_ray", b).get(
+            if pid and (q := _owned(pid, None)) and q.create_time() >= cp.record(campaign, "start_ray", b).get(
                     "launched_at", 0) - 1:
                 procs[q.pid] = q
     return list(procs.values())
@@ -304,7 +305,7 @@ def leftovers(campaign: Path, shape: cp.Shape) -> list[psutil.Process]:
 def release(campaign: Path, shape: cp.Shape, cache: Path) -> None:
     """Run the teardown stage of every block a failed run may have left launched."""
     for b in range(shape.num_blocks):
-        launch = cp.record(campaign, "launch_ray", b)
+        launch = cp.record(campaign, "start_ray", b)
         if launch and launch.get("state") != "released":
             subprocess.run([sys.executable, "-m", "milepost.tasks.stage", "--campaign", str(campaign), "--block",
                             str(b), "--stage", "teardown"], cwd=cp.ROOT, env=cp.env(cache), capture_output=True,

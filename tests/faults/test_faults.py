@@ -25,10 +25,10 @@ RESULTS_MD, RESULTS_CSV = HERE / "RESULTS.md", HERE / "results.csv"
 
 # The bounded set (CI: driver and router; the trainer case is in `-m extended`), async (no reference run
 # needed; sync mode and its sha equality are the soak's). The driver case is the
-# known defect of issue 16: a kill while the rollout stage launches its engines once cost the
+# known defect of issue 16: a kill while the start_engines stage launches its engines once cost the
 # rerun 2 x 243 s; the router case once cost the block two 240 s stage timeouts and a relaunch.
 CI_CASES = [
-    pytest.param("driver", "async", 1, "rollout:engines", id="driver-async"),
+    pytest.param("driver", "async", 1, "start_engines:engines", id="driver-async"),
     pytest.param("trainer", "async", 1, "step:0", id="trainer-async", marks=pytest.mark.extended),
     pytest.param("router", "async", 1, "step:0", id="router-async"),
 ]

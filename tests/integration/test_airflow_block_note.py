@@ -7,7 +7,7 @@ One tiny block (tiny-arith, 1 block of 2 steps) is triggered with the run id `bl
   accuracy, the reward and the regression gate's verdict;
 - the evaluate task's log ends with the same table;
 - each stage task's log names its stage job's log file, and that file holds the stage's own
-  output (train: one line per step with its reward; evaluate: the held-out accuracy);
+  output (run_steps: one line per step with its reward; evaluate: the held-out accuracy);
 - timings.json has every stage, and the campaign is `done` in `milepost status --json`.
 """
 
@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from milepost.core.records import BLOCK_STAGES
 
 # The helper that builds the recipe's tiny model into a cache is shared with tests/faults.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "faults"))
@@ -144,7 +145,7 @@ def test_a_blocks_run_shows_its_summary_note_and_its_stages_own_logs(airflow) ->
     assert note.splitlines()[-1] in evaluate_log and "| regression gate | pass" in evaluate_log, evaluate_log[-3000:]
 
     # Each stage task's log points to its job's log, which holds the stage's own output.
-    for stage, expected in (("train", [r"step 1: reward \d\.\d{3}", r"step 2: reward", "block 0 train done"]),
+    for stage, expected in (("run_steps", [r"step 1: reward \d\.\d{3}", r"step 2: reward", "block 0 run_steps done"]),
                             ("evaluate", [f"held-out accuracy {accuracy}"])):
         task_log = airflow.task_log(RUN_ID, stage)
         # The first try names it when it submits the job; a retry of a stage already done
@@ -158,12 +159,12 @@ def test_a_blocks_run_shows_its_summary_note_and_its_stages_own_logs(airflow) ->
 
     # Nothing failed here, so a retry is Airflow's false "Up For Retry" after a success: the
     # retry ends at once, saying when the earlier try ran, in local time.
-    for stage in ("launch_ray", "rollout", "train", "sync", "evaluate"):
+    for stage in BLOCK_STAGES:
         if tasks[stage]["try_number"] > 1:
             retry_log = airflow.task_log(RUN_ID, stage)
             assert re.search(r"already done by an earlier try: ran \d{4}-\d\d-\d\d \d\d:\d\d:\d\d", retry_log), retry_log
     timings = json.loads((campaign / "blocks/000000/timings.json").read_text())["stages"]
-    assert {"launch_ray", "rollout", "train", "sync", "evaluate"} <= set(timings)
+    assert set(BLOCK_STAGES) <= set(timings)
 
     status_doc = json.loads(subprocess.run([sys.executable, "-m", "milepost.cli", "status", str(campaign), "--json"],
                                            cwd=ROOT, check=True, capture_output=True, text=True).stdout)

@@ -9,7 +9,7 @@ stopped at the end by the pid `milepost airflow up` recorded).
 2. A 2-block campaign triggered with overrides in `conf`: block 0's run succeeds, its
    `progress` task triggers block 1's run, which succeeds; every stage ran as a Slurm job
    while its task was *deferred*; the lease is given back at the end.
-3. The train stage's Slurm job is cancelled mid-block: Airflow retries the task, the retry
+3. The run_steps stage's Slurm job is cancelled mid-block: Airflow retries the task, the retry
    resumes from the last checkpoint, and the block ends with the uninterrupted campaign's
    exact weights (sync mode, CPU). A stop request ends that campaign after the block.
 """
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from milepost.core.records import BLOCK_STAGES
 
 ROOT = Path(__file__).resolve().parents[2]
 DAG_ID = "milepost_tiny_arith"
@@ -112,7 +113,9 @@ class Api:
 
 
 def _record(campaign: Path, block: int, stage: str) -> dict:
-    path = campaign / "blocks" / f"{block:06d}" / f"{stage}.json"
+    from milepost.core.records import stage_record_path
+
+    path = campaign / stage_record_path(block, stage)
     return json.loads(path.read_text()) if path.exists() else {}
 
 
@@ -147,7 +150,7 @@ def reference(airflow) -> tuple[Path, set, set]:
 def test_a_campaign_runs_its_blocks_as_dag_runs_with_stages_deferred_on_slurm(airflow, reference) -> None:
     campaign, seen, seen_1 = reference
     for block, observed in ((0, seen), (1, seen_1)):
-        for stage in ("launch_ray", "rollout", "train", "sync", "evaluate"):
+        for stage in BLOCK_STAGES:
             assert (stage, "deferred") in observed, (block, stage, sorted(observed))
             assert _record(campaign, block, stage)["slurm_job_id"], (block, stage)
     assert [b["conf"]["block"] for b in airflow.runs() if b["conf"].get("campaign_url") == str(campaign)] == [0, 1]
@@ -155,8 +158,8 @@ def test_a_campaign_runs_its_blocks_as_dag_runs_with_stages_deferred_on_slurm(ai
     assert not (campaign / "lease.json").exists(), "the last run's teardown gives the lease back"
 
 
-@pytest.mark.extended  # CI: a Slurm stage job lost mid-train resumes in test_slurm_campaign.py
-def test_a_killed_train_job_is_retried_and_resumes_to_the_same_weights(airflow, reference) -> None:
+@pytest.mark.extended  # CI: a Slurm stage job lost mid-block resumes in test_slurm_campaign.py
+def test_a_killed_run_steps_job_is_retried_and_resumes_to_the_same_weights(airflow, reference) -> None:
     from milepost.core.store import CampaignStore
     from milepost.tasks.progression import request_stop
 
@@ -169,7 +172,7 @@ def test_a_killed_train_job_is_retried_and_resumes_to_the_same_weights(airflow, 
     def kill_train_mid_block() -> None:
         deadline = time.monotonic() + GUARD_S
         while time.monotonic() < deadline:
-            train = _record(campaign, 0, "train") if campaign.exists() else {}
+            train = _record(campaign, 0, "run_steps") if campaign.exists() else {}
             metrics = campaign / "blocks/000000/metrics.jsonl"
             steps = len(metrics.read_text().splitlines()) if metrics.exists() else 0
             # After the step-2 checkpoint and before the block's last step (step 3 done).
@@ -186,12 +189,12 @@ def test_a_killed_train_job_is_retried_and_resumes_to_the_same_weights(airflow, 
     killer.start()
     state, _ = airflow.wait_run(run["dag_run_id"])
     killer.join(5)
-    assert killed, "the train job was never seen mid-block"
+    assert killed, "the run_steps job was never seen mid-block"
     tasks = airflow.task_states(run["dag_run_id"])
-    assert state == "success" and tasks["train"] == ("success", 2), tasks  # failed once, retried once
-    train = _record(campaign, 0, "train")
+    assert state == "success" and tasks["run_steps"] == ("success", 2), tasks  # failed once, retried once
+    train = _record(campaign, 0, "run_steps")
     assert train["slurm_job_id"] != killed[0]
-    assert train["model_sha256"] == _record(reference, 0, "train")["model_sha256"]
+    assert train["model_sha256"] == _record(reference, 0, "run_steps")["model_sha256"]
     rows = [json.loads(line) for line in (campaign / "blocks/000000/metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert tasks["progress"][0] == "success"

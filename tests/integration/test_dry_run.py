@@ -71,7 +71,7 @@ def test_rank_cpus_match_the_trainer() -> None:
 
 def test_a_real_fleet_runs_the_dry_run_command(tmp_path) -> None:
     """tiny-arith's dry run shows the built-in engine's command; a fleet started with the same
-    rollout settings (and the admin key, as the rollout stage) runs exactly that argv."""
+    rollout settings (and the admin key, as the start_engines stage) runs exactly that argv."""
     import ray
 
     from milepost.core.engine.fleet import Fleet

@@ -1,4 +1,4 @@
-"""A rollout stage killed while its engines launch leaves detached engine actors that no record
+"""A start_engines stage killed while its engines launch leaves detached engine actors that no record
 names yet and that hold their placement bundles. The next attempt finds them in the block's
 Ray namespace (`stop_fleet_actors`) and stops them, so its own engines can be scheduled."""
 

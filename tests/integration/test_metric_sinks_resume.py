@@ -93,5 +93,5 @@ def _check_campaign(tmp_path: Path, campaign: Path, log: Path) -> None:
     curves = read_curves(store)
     assert curves.series["rollout/reward_mean"] == (list(range(1, NUM_STEPS + 1)),
                                                     [r["rollout/reward_mean"] for r in rows])
-    assert curves.restarts == [6.5], "the resumed train stage of block 1 (from step 6) is marked"
+    assert curves.restarts == [6.5], "the resumed run_steps stage of block 1 (from step 6) is marked"
     assert [x for _, x in curves.block_starts] == [0.5, 4.5]

@@ -22,7 +22,7 @@ SHORT = ["campaign.num_blocks=1", "campaign.steps_per_block=4", "rollout.prompts
          "eval.num_prompts=16", "rollout.deterministic_inference=true"]
 
 # Each README example, wrapped so that every call is counted in called.txt (the loss runs in
-# the trainer rank actors, the others in the train stage: the file is the one witness of both).
+# the trainer rank actors, the others in the run_steps stage: the file is the one witness of both).
 COUNTED = '''import functools
 from milepost.core.plugins import load_object
 

@@ -7,9 +7,9 @@
    (on a quiet machine) they are recorded there.
 2. Cancelling a block's allocation stops its Ray processes, engine and router (by pid),
    and leaves another campaign's Ray cluster running.
-3. The train stage's job is preempted the way submitit's `_interrupt()` does it (TERM, then
+3. The run_steps stage's job is preempted the way submitit's `_interrupt()` does it (TERM, then
    USR2): it is requeued under the same job id and resumes from its last checkpoint.
-4. The node running the train stage is set DOWN mid-block: the block is torn down,
+4. The node running the run_steps stage is set DOWN mid-block: the block is torn down,
    launched again once the node is back, and finishes from its last checkpoint with every
    step once and the reference's exact weights.
 """
@@ -28,6 +28,8 @@ from urllib.parse import urlparse
 import psutil
 import pytest
 
+from milepost.core.records import Stage, stage_record_path
+
 
 ROOT = Path(__file__).resolve().parents[2]
 GUARD_S = 180  # against hanging forever, not a timing assertion
@@ -37,7 +39,7 @@ OVERRIDES = ["campaign.num_blocks=1", f"campaign.steps_per_block={STEPS}", "chec
              "eval.num_prompts=64", f"data.num_train_rows={STEPS * 8}", "filters.drop_zero_variance_groups=false",
              "cluster.slurm.time_min=30"]
 SLURM = ["cluster.executor=slurm", "cluster.num_nodes=2"]
-STAGES = ("launch_ray", "rollout", "train", "sync", "evaluate", "teardown")
+STAGES = tuple(s.value for s in Stage)
 
 
 def _command(campaign: Path, extra: list[str]) -> list[str]:
@@ -68,7 +70,7 @@ def reference(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def _record(campaign: Path, stage: str, block: int = 0) -> dict:
-    return json.loads((campaign / "blocks" / f"{block:06d}" / f"{stage}.json").read_text())
+    return json.loads((campaign / stage_record_path(block, stage)).read_text())
 
 
 def _sacct(job_ids: list[str]) -> dict[str, tuple[str, str]]:
@@ -92,19 +94,19 @@ def _final(campaign: Path) -> tuple[str, float]:
 
 
 def _overhead_lines(name: str, campaign: Path) -> list[str]:
-    """Driver-side timings of one block: from submitting launch_ray to the first RL step,
+    """Driver-side timings of one block: from submitting start_ray to the first RL step,
     and the gap between one stage job's end and the next one's start (job start-up,
     Python imports, joining Ray)."""
     stages = json.loads((campaign / "blocks" / "000000" / "timings.json").read_text())["stages"]
-    t0 = stages["launch_ray"]["submitted_at"]
-    first_step = _record(campaign, "train")["first_step_done_at"]
-    lines = [f"{name}: submission -> Ray cluster up {stages['launch_ray']['finished_at'] - t0:.1f}s, "
-             f"-> fleet serving {stages['rollout']['finished_at'] - t0:.1f}s, "
+    t0 = stages["start_ray"]["submitted_at"]
+    first_step = _record(campaign, "run_steps")["first_step_done_at"]
+    lines = [f"{name}: submission -> Ray cluster up {stages['start_ray']['finished_at'] - t0:.1f}s, "
+             f"-> fleet serving {stages['start_engines']['finished_at'] - t0:.1f}s, "
              f"-> first RL step done {first_step - t0:.1f}s"]
     order = [s for s in STAGES if s in stages]
     for a, b in zip(order, order[1:]):
         gap = stages[b]["started_at"] - stages[a]["finished_at"]
-        lines.append(f"  {a:>10} -> {b:<9} {gap:5.1f}s from end to next start; {b} ran "
+        lines.append(f"  {a:>13} -> {b:<13} {gap:5.1f}s from end to next start; {b} ran "
                      f"{stages[b]['finished_at'] - stages[b]['started_at']:.1f}s")
     return lines
 
@@ -113,10 +115,10 @@ def test_slurm_campaign_matches_local_and_every_stage_is_in_sacct(dev_cluster, r
     (local, cache), log, slurm = reference, tmp_path / "runs.log", tmp_path / "slurm"
     _run(slurm, cache, SLURM, log)
 
-    launch = _record(slurm, "launch_ray")
+    launch = _record(slurm, "start_ray")
     assert launch["mode"] == "slurm" and launch["num_nodes"] == 2 and len(launch["node_ips"]) == 2, launch
     # The dev cluster's nodes are hostnames (NodeHostname=<this host>): whatever binds got IP literals.
-    rollout = _record(slurm, "rollout")
+    rollout = _record(slurm, "start_engines")
     for url in [rollout["router_url"], *rollout["engine_urls"]]:
         ipaddress.ip_address(urlparse(url).hostname)
     for address in [launch["address"].rsplit(":", 1)[0], *launch["node_ips"]]:
@@ -167,15 +169,15 @@ def test_cancelling_the_allocation_stops_its_block_and_nothing_else(dev_cluster,
     mine = prepare_campaign(load_recipe(ROOT / "recipes/tiny-arith.yaml", OVERRIDES + SLURM), str(tmp_path / "a"))
     prepare_campaign(load_recipe(ROOT / "recipes/tiny-arith.yaml", OVERRIDES), str(tmp_path / "b"))
     runner = BlockRunner(mine.recipe, mine.store, show_progress=False)
-    run_stage(str(tmp_path / "b"), 0, "launch_ray")  # another campaign's Ray cluster on this machine
+    run_stage(str(tmp_path / "b"), 0, "start_ray")  # another campaign's Ray cluster on this machine
     try:
-        runner._run(0, "launch_ray")
-        runner._run(0, "rollout")
-        launch, fleet = _record(tmp_path / "a", "launch_ray"), json.loads((tmp_path / "a/blocks/000000/fleet.json").read_text())
+        runner._run(0, Stage.START_RAY)
+        runner._run(0, Stage.START_ENGINES)
+        launch, fleet = _record(tmp_path / "a", "start_ray"), json.loads((tmp_path / "a/blocks/000000/fleet.json").read_text())
         ray_pids = _allocation_pids(launch["job_id"])
         fleet_pids = [e["pid"] for e in fleet["engines"]] + [fleet["router"]["pid"]]
         assert len(ray_pids) > 2 and not set(fleet_pids) - set(_alive(fleet_pids)), (ray_pids, fleet_pids)
-        other_pids = _record(tmp_path / "b", "launch_ray")["pids"]
+        other_pids = _record(tmp_path / "b", "start_ray")["pids"]
         other_tree = [c.pid for p in other_pids for c in [psutil.Process(p), *psutil.Process(p).children(True)]]
 
         subprocess.run(["scancel", launch["job_id"]], check=True)
@@ -195,31 +197,31 @@ def _metrics(campaign: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
 
 
-def _train_job_node(campaign: Path, min_step: int, proc: subprocess.Popen, log: Path) -> tuple[str, str]:
-    """Wait until the train stage runs as a Slurm job and step `min_step` is recorded."""
+def _steps_job_node(campaign: Path, min_step: int, proc: subprocess.Popen, log: Path) -> tuple[str, str]:
+    """Wait until the run_steps stage runs as a Slurm job and step `min_step` is recorded."""
     deadline = time.monotonic() + 600
     while True:
         assert proc.poll() is None, log.read_text()[-5000:]
-        assert time.monotonic() < deadline, "train never reached step %d" % min_step
-        path = campaign / "blocks/000000/train.json"
-        train = json.loads(path.read_text()) if path.exists() else {}
-        if train.get("state") == "running" and len(_metrics(campaign)) >= min_step:
-            job = train["slurm_job_id"]
+        assert time.monotonic() < deadline, "run_steps never reached step %d" % min_step
+        path = campaign / stage_record_path(0, "run_steps")
+        steps = json.loads(path.read_text()) if path.exists() else {}
+        if steps.get("state") == "running" and len(_metrics(campaign)) >= min_step:
+            job = steps["slurm_job_id"]
             node = subprocess.run(["squeue", "-h", "-j", job, "-o", "%N"], capture_output=True, text=True).stdout
             if node.strip():
                 return job, node.strip()
         time.sleep(0.2)
 
 
-@pytest.mark.extended  # CI: test_preempted_train_job… below loses the train job mid-block the same way
-def test_node_down_mid_train_resumes_from_the_last_checkpoint(dev_cluster, reference, tmp_path):
+@pytest.mark.extended  # CI: test_preempted_run_steps_job… below loses that job mid-block the same way
+def test_node_down_mid_block_resumes_from_the_last_checkpoint(dev_cluster, reference, tmp_path):
     (local, cache), log, campaign = reference, tmp_path / "runs.log", tmp_path / "slurm"
     with open(log, "ab") as out:
         proc = subprocess.Popen(_command(campaign, SLURM + ["cluster.max_block_retries=2"]), cwd=ROOT,
                                 env={**os.environ, "MILEPOST_CACHE": str(cache)}, stdout=out, stderr=subprocess.STDOUT)
     node = None
     try:
-        job, node = _train_job_node(campaign, 3, proc, log)  # step 2's checkpoint is committed
+        job, node = _steps_job_node(campaign, 3, proc, log)  # step 2's checkpoint is committed
         subprocess.run(["scontrol", "update", f"nodename={node}", "state=down", "reason=milepost-test"], check=True)
         time.sleep(10)
         subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], check=True)
@@ -238,13 +240,13 @@ def test_node_down_mid_train_resumes_from_the_last_checkpoint(dev_cluster, refer
     assert _final(campaign) == _final(local), "resumed after the node loss, the block must end bitwise as the reference"
 
 
-def test_preempted_train_job_is_requeued_and_resumes_from_its_checkpoint(dev_cluster, reference, tmp_path):
+def test_preempted_run_steps_job_is_requeued_and_resumes_from_its_checkpoint(dev_cluster, reference, tmp_path):
     (local, cache), log, campaign = reference, tmp_path / "runs.log", tmp_path / "slurm"
     with open(log, "ab") as out:
         proc = subprocess.Popen(_command(campaign, SLURM), cwd=ROOT, env={**os.environ, "MILEPOST_CACHE": str(cache)},
                                 stdout=out, stderr=subprocess.STDOUT)
     try:
-        job, _ = _train_job_node(campaign, 3, proc, log)  # step 2's checkpoint is committed
+        job, _ = _steps_job_node(campaign, 3, proc, log)  # step 2's checkpoint is committed
         # submitit's SlurmJob._interrupt(): what Slurm sends on preemption
         subprocess.run(["scancel", job, "--signal", "SIGTERM"], check=True)
         subprocess.run(["scancel", job, "--signal", "USR2"], check=True)
@@ -255,7 +257,7 @@ def test_preempted_train_job_is_requeued_and_resumes_from_its_checkpoint(dev_clu
     rows = subprocess.run(["sacct", "-X", "-n", "-P", "--duplicates", "-o", "JobIDRaw,State", "-j", job],
                           capture_output=True, text=True, check=True).stdout.split()
     assert f"{job}|REQUEUED" in rows and f"{job}|COMPLETED" in rows, rows
-    assert _record(campaign, "train")["slurm_job_id"] == job, "the same job must have resumed, not a new one"
+    assert _record(campaign, "run_steps")["slurm_job_id"] == job, "the same job must have resumed, not a new one"
     assert "launching it again" not in log.read_text(), "preemption must requeue the stage, not relaunch the block"
     metrics = _metrics(campaign)
     assert [r["step"] for r in metrics] == list(range(1, STEPS + 1))

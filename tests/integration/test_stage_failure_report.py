@@ -57,15 +57,15 @@ def test_a_runtime_failure_shows_its_root_error_in_run_output_and_status(tmp_pat
     proc, campaign, _ = _run(tmp_path, "runtime_failure", "cluster.max_block_retries=0")
     output = proc.stdout + proc.stderr
     assert proc.returncode == 1, output[-3000:]
-    assert "stage train failed (runtime error): RuntimeError: the disk under /scratch went away" in output
-    record = json.loads((campaign / "blocks/000000/train.json").read_text())
+    assert "stage run_steps failed (runtime error): RuntimeError: the disk under /scratch went away" in output
+    record = json.loads((campaign / "blocks/000000/run_steps.json").read_text())
     assert record["state"] == "failed" and record["error_kind"] == "runtime"
     assert Path(record["log"]).is_file() and "Traceback" in Path(record["log"]).read_text()
     assert f"stage log: {record['log']}" in output
     _assert_no_secret_outside_its_file(campaign, "ray_auth_token")
     text, doc = _status(campaign)
     assert doc["blocks"][0]["state"] == "failed"
-    assert doc["blocks"][0]["failure"]["stage"] == "train"
+    assert doc["blocks"][0]["failure"]["stage"] == "run_steps"
     assert "RuntimeError: the disk under /scratch went away" in text
 
 
@@ -74,18 +74,18 @@ def test_a_user_error_in_a_stage_is_shown_without_traceback_and_not_retried(tmp_
     proc, campaign, _ = _run(tmp_path, "user_failure", "cluster.max_block_retries=1")
     output = proc.stdout + proc.stderr
     assert proc.returncode == 2, output[-3000:]
-    assert ("stage train failed (input error, not retried): UserError: my_rollout: prompt template needs a "
+    assert ("stage run_steps failed (input error, not retried): UserError: my_rollout: prompt template needs a "
             "{question} field; add it to the recipe") in output
     assert "launching it again" not in output and "Traceback" not in output
-    record = json.loads((campaign / "blocks/000000/train.json").read_text())
+    record = json.loads((campaign / "blocks/000000/run_steps.json").read_text())
     assert record["error_kind"] == "user"
     # The stage's own output ends with the message and holds no traceback (what follows it is
     # submitit's report that the job's command exited non-zero).
     own = Path(record["log"]).read_text().split("submitit ERROR")[0]
     assert "Traceback" not in own
-    assert own.rstrip().endswith("milepost: block 0 stage train: my_rollout: prompt template needs a {question} "
+    assert own.rstrip().endswith("milepost: block 0 stage run_steps: my_rollout: prompt template needs a {question} "
                                  "field; add it to the recipe")
     # The Airflow task ran once: no retry of a deterministic failure.
     task_log = (campaign / "airflow/logs/block_000000.log").read_text()
     assert task_log.count("input error, not retried") >= 1
-    assert task_log.count("block 0 train: submitted") == 1
+    assert task_log.count("block 0 run_steps: submitted") == 1

@@ -9,6 +9,7 @@ import re
 
 import pytest
 
+from milepost.core.records import Stage, StageRecord
 from milepost.core.store import CampaignStore
 from milepost.tasks.block_summary import (
     NOTE_MAX_CHARS,
@@ -30,17 +31,17 @@ def _block(store: CampaignStore, block: int, accuracy: float, rewards: list[floa
            verdict: str | None = "pass") -> None:
     steps = len(rewards)
     first = block * steps + 1
-    store.write_stage_record(block, "launch_ray", {"state": "released", "started_at": T0, "finished_at": T0 + 5})
-    store.write_stage_record(block, "train", {"state": "done", "steps": [first, first + steps - 1],
-                                              "model_sha256": "a6a112ef5939" + "0" * 52,
-                                              "started_at": T0 + 10, "finished_at": T0 + 100})
-    store.write_stage_record(block, "sync", {"state": "done", "step": first + steps - 1})
+    store.write_stage_record(block, "start_ray", {"state": "released", "started_at": T0, "finished_at": T0 + 5})
+    store.write_stage_record(block, "run_steps", {"state": "done", "steps": [first, first + steps - 1],
+                                                  "model_sha256": "a6a112ef5939" + "0" * 52,
+                                                  "started_at": T0 + 10, "finished_at": T0 + 100})
+    store.write_stage_record(block, "publish", {"state": "done", "step": first + steps - 1})
     store.write_stage_record(block, "evaluate", {"state": "done", "eval": {"accuracy": accuracy},
                                                  "started_at": T0 + 110, "finished_at": T0 + wall_s})
     store.write_metrics(block, [{"step": first + i, "rollout/reward_mean": r, "timing/step_s": 1.5}
                                 for i, r in enumerate(rewards)])
     store.write_json(f"blocks/{block:06d}/timings.json", {"stages": {
-        "launch_ray": {"submitted_at": T0 - 1.0}}})
+        "start_ray": {"submitted_at": T0 - 1.0}}})
     if verdict:
         store.write_json(f"blocks/{block:06d}/gate.json", {
             "verdict": verdict, "accuracy": accuracy, "best_block": 0 if block else None,
@@ -78,7 +79,7 @@ def test_block_0_is_compared_with_the_base_policy(store) -> None:
     assert "| reward (last step / block mean) | 0.500 / 0.375 |" in text
     assert "| regression gate | pass (first block judged) |" in text
     assert "| checkpoint | step 2, sha256 a6a112ef5939 |" in text
-    assert "| wall time | 2 min 16 s |" in text  # from launch_ray's submission, 1 s before it started
+    assert "| wall time | 2 min 16 s |" in text  # from start_ray's submission, 1 s before it started
 
 
 def test_a_later_block_is_compared_with_the_block_before_and_shows_a_regression(store) -> None:
@@ -91,7 +92,7 @@ def test_a_later_block_is_compared_with_the_block_before_and_shows_a_regression(
 
 
 def test_a_block_not_judged_yet_says_so_and_missing_numbers_show_as_dashes(store) -> None:
-    store.write_stage_record(0, "train", {"state": "running"})
+    store.write_stage_record(0, "run_steps", {"state": "running"})
     text = format_summary(read_block_summary(store, 0))
     assert "gate not judged yet" in text and "| steps | — |" in text and "| wall time | — |" in text
 
@@ -129,25 +130,28 @@ def test_the_note_fits_airflows_limit_even_with_a_very_deep_store(tmp_path) -> N
 
 
 def test_failure_advice_fits_the_kind_of_failure() -> None:
-    user = failure_advice("launch_ray", "user")
+    user = failure_advice("start_ray", "user")
     assert "trigger the DAG again with corrected overrides" in user and "clear" not in user.split(":")[0]
-    runtime = failure_advice("train", "runtime")
-    assert "clear the `train` task" in runtime and "checkpoint" in runtime
-    note = failure_note(3, "train", "RuntimeError: the disk went away", "runtime", "/jobs/1/1_0_log.err")
-    assert note.startswith("**milepost block 3 FAILED** at stage **train**: RuntimeError: the disk went away")
+    runtime = failure_advice("run_steps", "runtime")
+    assert "clear the `run_steps` task" in runtime and "checkpoint" in runtime
+    note = failure_note(3, "run_steps", "RuntimeError: the disk went away", "runtime", "/jobs/1/1_0_log.err")
+    assert note.startswith("**milepost block 3 FAILED** at stage **run_steps**: RuntimeError: the disk went away")
     assert "`/jobs/1/1_0_log.err`" in note
-    assert len(failure_note(0, "train", "x" * 5000, "user", None)) <= NOTE_MAX_CHARS
+    assert len(failure_note(0, "run_steps", "x" * 5000, "user", None)) <= NOTE_MAX_CHARS
 
 
 def test_a_training_step_and_a_finished_stage_read_as_one_line_each() -> None:
     line = step_line({"step": 12, "rollout/reward_mean": 0.41, "loss/kl": 0.0012, "rollout/response_len_mean": 7.25,
                       "timing/step_s": 3.2})
     assert line == "step 12: reward 0.410, kl 0.0012, response len 7.2, took 3.2 s"
-    record = {"state": "done", "started_at": T0, "finished_at": T0 + 75, "eval": {"accuracy": 0.725}}
-    assert stage_done_line(2, "evaluate", record) == "block 2 evaluate done in 1 min 15 s: held-out accuracy 0.725"
-    train = {"steps": [41, 60], "model_sha256": "ab" * 32, "started_at": T0, "finished_at": T0 + 3}
-    assert stage_done_line(2, "train", train) == "block 2 train done in 3 s: steps 41-60, model sha256 abababababab"
-    assert line.isascii() and stage_done_line(2, "train", train).isascii()  # stage logs stay ASCII
+    record = StageRecord.from_dict({"state": "done", "started_at": T0, "finished_at": T0 + 75,
+                                    "eval": {"accuracy": 0.725}})
+    assert stage_done_line(2, Stage.EVALUATE, record) == "block 2 evaluate done in 1 min 15 s: held-out accuracy 0.725"
+    steps = StageRecord.from_dict({"state": "done", "steps": [41, 60], "model_sha256": "ab" * 32, "started_at": T0,
+                                   "finished_at": T0 + 3})
+    assert stage_done_line(2, Stage.RUN_STEPS, steps) == (
+        "block 2 run_steps done in 3 s: steps 41-60, model sha256 abababababab")
+    assert line.isascii() and stage_done_line(2, Stage.RUN_STEPS, steps).isascii()  # stage logs stay ASCII
 
 
 def test_runs_started_by_progress_are_named_by_block_and_never_nest() -> None:
@@ -163,10 +167,10 @@ def test_runs_started_by_progress_are_named_by_block_and_never_nest() -> None:
 def test_block_failed_finds_the_first_failed_stage_in_block_order() -> None:
     from milepost.dags.block_failed import failed_stage
 
-    assert failed_stage({"launch_ray": "success", "rollout": "success", "train": "failed", "sync": "upstream_failed",
-                         "teardown": "success"}) == "train"
-    assert failed_stage({"launch_ray": "failed", "train": "failed"}) == "launch_ray"
-    assert failed_stage({"launch_ray": "success", "teardown": "failed"}) is None
+    assert failed_stage({"start_ray": "success", "start_engines": "success", "run_steps": "failed",
+                         "publish": "upstream_failed", "teardown": "success"}) == "run_steps"
+    assert failed_stage({"start_ray": "failed", "run_steps": "failed"}) == "start_ray"
+    assert failed_stage({"start_ray": "success", "teardown": "failed"}) is None
 
 
 def test_summary_numbers_come_from_the_store_not_from_memory(store) -> None:

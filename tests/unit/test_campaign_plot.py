@@ -1,5 +1,5 @@
 """`milepost status --plot`: the PNG holds the campaign's curves, checked through the figure's
-own line data (not pixels), with block starts, a resumed train stage and a rollback marked."""
+own line data (not pixels), with block starts, a resumed run_steps stage and a rollback marked."""
 
 from __future__ import annotations
 

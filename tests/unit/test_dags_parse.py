@@ -24,13 +24,13 @@ except ImportError as e:  # a missing test dependency is a failure, not a skip
 ROOT = Path(__file__).resolve().parents[2]
 DAGS = ROOT / "dags"
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
-STAGES = ("launch_ray", "rollout", "train", "sync", "evaluate")
+STAGES = ("start_ray", "start_engines", "run_steps", "publish", "evaluate")  # the task ids, in order
 
 
 def _expected_dag_ids() -> set[str]:
     import yaml
 
-    from milepost.dags.names import dag_id_for
+    from milepost.core.records import dag_id_for
 
     return {dag_id_for((yaml.safe_load(p.read_text()).get("campaign") or {}).get("name") or p.stem) for p in RECIPES}
 
@@ -66,17 +66,17 @@ def test_block_tasks_edges_and_settings() -> None:
     assert {t.task_id for t in dag.tasks} == {*STAGES, "progress", "teardown", "block_failed"}
     for upstream, downstream in zip(STAGES, STAGES[1:]):
         assert dag.get_task(upstream).downstream_task_ids == {downstream, "block_failed"} | (
-            {"teardown"} if upstream == "launch_ray" else set())
+            {"teardown"} if upstream == "start_ray" else set())
     assert dag.get_task("evaluate").downstream_task_ids == {"progress", "block_failed"}
     assert dag.get_task("progress").downstream_task_ids == {"teardown"}
-    assert dag.get_task("teardown").upstream_task_ids == {"launch_ray", "progress"}
+    assert dag.get_task("teardown").upstream_task_ids == {"start_ray", "progress"}
     assert dag.get_task("teardown").trigger_rule == TriggerRule.ALL_DONE
     assert dag.get_task("block_failed").trigger_rule == TriggerRule.ONE_FAILED
     assert dag.get_task("block_failed").upstream_task_ids == set(STAGES)
     assert dag.max_active_runs == 1
     assert {"milepost", "recipe:tiny-arith"} <= set(dag.tags)
     assert "one run of this dag is one block" in dag.doc_md.lower()
-    assert dag.get_task("train").retries == 1  # cluster.max_block_retries' default
+    assert dag.get_task("run_steps").retries == 1  # cluster.max_block_retries' default
     assert dag.params.dump() == {"campaign_url": str(ROOT / "runs" / "tiny-arith"), "block": 0, "overrides": [],
                                  "resume": False}
 
@@ -114,12 +114,6 @@ def test_recipe_sections_match_the_recipe_schema() -> None:
     check_override("train.lr=1e-4")
     with pytest.raises(ValueError, match="section.key=value"):
         check_override("trian.lr=1e-4")
-
-
-def test_driver_pid_env_matches_the_stage_module() -> None:
-    from milepost.dags.names import DRIVER_PID_ENV
-
-    assert f'DRIVER_PID_ENV = "{DRIVER_PID_ENV}"' in (ROOT / "tasks" / "stage.py").read_text()
 
 
 def test_campaigns_file_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -171,7 +165,7 @@ def test_parse_opens_no_connection_and_imports_nothing_heavy(airflow_home: Path)
 def _trigger(url: str, executor: str = "local", job_id: str = "1", **kw):
     from milepost.dags.triggers import StageJobTrigger
 
-    return StageJobTrigger(url, 0, "train", executor, job_id, kw.pop("submitted_at", time.time()),
+    return StageJobTrigger(url, 0, "run_steps", executor, job_id, kw.pop("submitted_at", time.time()),
                            poll_interval_s=0.05, **kw)
 
 
@@ -208,7 +202,7 @@ def test_local_trigger_fires_done_when_the_stage_records_done(tmp_path: Path) ->
             waiting = asyncio.ensure_future(_first_event(trigger))
             await asyncio.sleep(0.2)
             assert not waiting.done()
-            store.write_stage_record(0, "train", {"state": "done", "finished_at": time.time()})
+            store.write_stage_record(0, "run_steps", {"state": "done", "finished_at": time.time()})
             return await asyncio.wait_for(waiting, 10)
 
         event = asyncio.run(scenario())
@@ -221,7 +215,7 @@ def test_local_trigger_fires_failed_when_the_job_ends_without_done(tmp_path: Pat
     from milepost.core.store import CampaignStore
 
     store = CampaignStore(str(tmp_path))
-    store.write_stage_record(0, "train", {"state": "done", "finished_at": time.time() - 3600})  # an old run's
+    store.write_stage_record(0, "run_steps", {"state": "done", "finished_at": time.time() - 3600})  # an old run's
     job = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
     job.wait()
     event = asyncio.run(asyncio.wait_for(_first_event(_trigger(str(tmp_path), job_id=str(job.pid))), 10))
@@ -239,7 +233,7 @@ def test_slurm_trigger_reports_the_terminal_outcome(tmp_path: Path, monkeypatch:
         return slurm_state.JobState(self.job_id, outcome, outcome.value.upper())
 
     monkeypatch.setattr(slurm_state.SlurmStatePoller, "poll", poll)
-    CampaignStore(str(tmp_path)).write_stage_record(0, "train", {"state": "running"})
+    CampaignStore(str(tmp_path)).write_stage_record(0, "run_steps", {"state": "running"})
     event = asyncio.run(asyncio.wait_for(_first_event(_trigger(str(tmp_path), "slurm", "77")), 10))
     assert event["status"] == "failed" and event["outcome"] == "cancelled" and event["record_state"] == "running"
 
@@ -256,14 +250,14 @@ def test_operator_skips_a_done_stage_and_a_done_block(tmp_path: Path) -> None:
 
     store = CampaignStore(str(tmp_path))
     store.write_text_atomic("campaign.yaml", (ROOT / "recipes" / "tiny-arith.yaml").read_text())
-    store.write_stage_record(0, "train", {"state": "done", "pid": 4242})
+    store.write_stage_record(0, "run_steps", {"state": "done", "pid": 4242})
     context = {"params": {"campaign_url": str(tmp_path), "block": 0, "overrides": [], "resume": False},
                "dag": _dagbag().dags["milepost_tiny_arith"], "run_id": "manual__test"}
-    assert _operator("train").execute(context) == {"campaign_url": str(tmp_path), "block": 0, "stage": "train",
+    assert _operator("run_steps").execute(context) == {"campaign_url": str(tmp_path), "block": 0, "stage": "run_steps",
                                                    "job_id": "4242"}
     store.write_stage_record(0, "evaluate", {"state": "done"})
-    store.write_stage_record(0, "launch_ray", {"state": "released"})
-    assert _operator("launch_ray").execute(context)["stage"] == "launch_ray"  # nothing submitted
+    store.write_stage_record(0, "start_ray", {"state": "released"})
+    assert _operator("start_ray").execute(context)["stage"] == "start_ray"  # nothing submitted
 
 
 def test_operator_refuses_a_bad_override_without_retrying(tmp_path: Path) -> None:
@@ -271,19 +265,19 @@ def test_operator_refuses_a_bad_override_without_retrying(tmp_path: Path) -> Non
 
     context = {"params": {"campaign_url": str(tmp_path / "c"), "block": 0, "overrides": ["train.lr=fast"]}}
     with pytest.raises(AirflowFailException, match="train.lr"):
-        _operator("launch_ray").execute(context)
+        _operator("start_ray").execute(context)
 
 
 def test_operator_fails_with_the_stage_log_on_a_failed_event(tmp_path: Path) -> None:
     from milepost.dags.operators import StageFailedError
 
-    event = {"status": "failed", "campaign_url": str(tmp_path), "block": 1, "stage": "train", "job_id": "9",
+    event = {"status": "failed", "campaign_url": str(tmp_path), "block": 1, "stage": "run_steps", "job_id": "9",
              "detail": "Slurm job 9 ended cancelled"}
-    with pytest.raises(StageFailedError, match=r"block 1 stage train failed: Slurm job 9 ended cancelled "
+    with pytest.raises(StageFailedError, match=r"block 1 stage run_steps failed: Slurm job 9 ended cancelled "
                                                r"\(stage log: /l\)"):
-        _operator("train").execute_complete({}, event, stderr_path="/l")
-    assert _operator("train").execute_complete({}, {**event, "status": "done"}) == {
-        "campaign_url": str(tmp_path), "block": 1, "stage": "train", "job_id": "9"}
+        _operator("run_steps").execute_complete({}, event, stderr_path="/l")
+    assert _operator("run_steps").execute_complete({}, {**event, "status": "done"}) == {
+        "campaign_url": str(tmp_path), "block": 1, "stage": "run_steps", "job_id": "9"}
 
 
 def test_operator_shows_the_recorded_root_error_and_does_not_retry_a_user_error(tmp_path: Path) -> None:
@@ -292,16 +286,16 @@ def test_operator_shows_the_recorded_root_error_and_does_not_retry_a_user_error(
     from milepost.dags.operators import StageFailedError
 
     store = CampaignStore(str(tmp_path))
-    event = {"status": "failed", "campaign_url": str(tmp_path), "block": 0, "stage": "train", "job_id": "9",
+    event = {"status": "failed", "campaign_url": str(tmp_path), "block": 0, "stage": "run_steps", "job_id": "9",
              "detail": "local job 9 ended without recording the stage done"}
-    store.write_stage_record(0, "train", {"state": "failed", "error": "OSError: disk full", "error_kind": "runtime",
+    store.write_stage_record(0, "run_steps", {"state": "failed", "error": "OSError: disk full", "error_kind": "runtime",
                                           "log": "/jobs/9.err"})
-    with pytest.raises(StageFailedError, match=r"train failed: OSError: disk full \(stage log: /jobs/9.err\)"):
-        _operator("train").execute_complete({}, event)
-    store.write_stage_record(0, "train", {"state": "failed", "error": "UserError: reward `x` raised",
+    with pytest.raises(StageFailedError, match=r"run_steps failed: OSError: disk full \(stage log: /jobs/9.err\)"):
+        _operator("run_steps").execute_complete({}, event)
+    store.write_stage_record(0, "run_steps", {"state": "failed", "error": "UserError: reward `x` raised",
                                           "error_kind": "user", "log": "/jobs/9.err"})
     with pytest.raises(AirflowFailException, match="(?s)UserError: reward `x` raised.*not retried"):
-        _operator("train").execute_complete({}, event)
+        _operator("run_steps").execute_complete({}, event)
 
 
 def test_operator_records_stage_timings_from_the_event(tmp_path: Path) -> None:
@@ -310,12 +304,12 @@ def test_operator_records_stage_timings_from_the_event(tmp_path: Path) -> None:
     from milepost.core.store import CampaignStore
 
     store = CampaignStore(str(tmp_path))
-    store.write_stage_record(0, "train", {"state": "done", "started_at": 100.0, "finished_at": 160.0})
-    event = {"status": "done", "campaign_url": str(tmp_path), "block": 0, "stage": "train", "job_id": "7",
+    store.write_stage_record(0, "run_steps", {"state": "done", "started_at": 100.0, "finished_at": 160.0})
+    event = {"status": "done", "campaign_url": str(tmp_path), "block": 0, "stage": "run_steps", "job_id": "7",
              "executor": "local", "submitted_at": 95.0, "stderr_path": "/l"}
-    _operator("train").execute_complete({}, event)
+    _operator("run_steps").execute_complete({}, event)
     stages = store.read_json("blocks/000000/timings.json")["stages"]
-    assert stages["train"]["job_id"] == "7" and stages["train"]["submitted_at"] == 95.0
-    assert stages["train"]["started_at"] == 100.0 and stages["train"]["returned_at"] >= 160.0
+    assert stages["run_steps"]["job_id"] == "7" and stages["run_steps"]["submitted_at"] == 95.0
+    assert stages["run_steps"]["started_at"] == 100.0 and stages["run_steps"]["returned_at"] >= 160.0
     with pytest.raises(Exception, match="stage log: /l"):
-        _operator("train").execute_complete({}, {**event, "status": "failed", "detail": "x"})
+        _operator("run_steps").execute_complete({}, {**event, "status": "failed", "detail": "x"})

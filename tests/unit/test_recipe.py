@@ -66,8 +66,8 @@ def test_a_campaign_stored_before_a_new_setting_existed_still_matches(tmp_path):
 
 def test_store_writes_json_atomically_and_reads_it_back(tmp_path):
     store = CampaignStore(str(tmp_path / "c"))
-    store.write_stage_record(0, "train", {"state": "done"})
-    assert store.stage_record(0, "train") == {"state": "done"}
+    store.write_stage_record(0, "run_steps", {"state": "done"})
+    assert store.read_json("blocks/000000/run_steps.json") == {"state": "done"}
     assert store.block_indices() == [0]
     assert not list((tmp_path / "c").rglob("*.tmp-*"))
 

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from milepost.core.records import BLOCK_STAGES, Stage, StageRecord, StageState
 from milepost.core.store import CampaignStore
 from milepost.tasks import lease
 from milepost.tasks.status import block_state, campaign_status, format_status
@@ -25,7 +26,7 @@ def store(tmp_path) -> CampaignStore:
 
 
 def _done_block(store: CampaignStore, block: int, accuracy: float) -> None:
-    for stage in ("launch_ray", "rollout", "train", "sync", "evaluate"):
+    for stage in BLOCK_STAGES:
         store.write_stage_record(block, stage, {"state": "done", "eval": {"accuracy": accuracy}})
     store.write_metrics(block, [{"step": 2 * block + 2, "rollout/reward_mean": 0.5, "loss/kl": 0.001,
                                  "timing/step_s": 1.25}])
@@ -50,11 +51,11 @@ def test_a_finished_block_is_done_with_its_last_metrics(store) -> None:
 
 def test_a_block_is_running_only_while_a_live_process_holds_the_lease(store) -> None:
     _done_block(store, 0, 0.68)
-    store.write_stage_record(1, "launch_ray", {"state": "done"})
-    store.write_stage_record(1, "train", {"state": "running", "pid": os.getpid()})
+    store.write_stage_record(1, "start_ray", {"state": "done"})
+    store.write_stage_record(1, "run_steps", {"state": "running", "pid": os.getpid()})
     lease.acquire(store, "milepost-run:test", pid=os.getpid())
     doc = campaign_status(store.url)
-    assert doc["blocks"][1]["status"] == "running: train" and doc["blocks"][0]["state"] == "done"
+    assert doc["blocks"][1]["status"] == "running: run_steps" and doc["blocks"][0]["state"] == "done"
     assert doc["lease"]["owner"] == "milepost-run:test"
     # The same records once the holder is gone (a SIGKILLed `milepost run`): not running.
     lease.release(store, "milepost-run:test")
@@ -67,30 +68,30 @@ def test_a_block_is_running_only_while_a_live_process_holds_the_lease(store) -> 
 
 
 def test_an_expired_airflow_lease_is_not_a_live_run(store) -> None:
-    store.write_stage_record(0, "train", {"state": "running"})
+    store.write_stage_record(0, "run_steps", {"state": "running"})
     store.write_json("lease.json", {"owner": "airflow:milepost_x/run", "host": "elsewhere", "expires_at": 1.0})
     assert campaign_status(store.url)["blocks"][0]["state"] == "interrupted"
     store.write_json("lease.json", {"owner": "airflow:milepost_x/run", "host": "elsewhere", "expires_at": 4e9})
-    assert campaign_status(store.url)["blocks"][0]["status"] == "running: train"
+    assert campaign_status(store.url)["blocks"][0]["status"] == "running: run_steps"
 
 
 def test_a_failed_stage_shows_its_root_error_in_text_and_json(store) -> None:
-    store.write_stage_record(0, "launch_ray", {"state": "done"})
-    store.write_stage_record(0, "train", {"state": "failed", "error": "RuntimeError: the disk went away",
+    store.write_stage_record(0, "start_ray", {"state": "done"})
+    store.write_stage_record(0, "run_steps", {"state": "failed", "error": "RuntimeError: the disk went away",
                                           "error_kind": "runtime", "log": "/jobs/1_0_log.err", "failed_at": 5.0})
     doc = json.loads(json.dumps(campaign_status(store.url)))  # what --json prints
     block = doc["blocks"][0]
     assert block["state"] == "failed"
-    assert block["status"] == "failed: stage train: RuntimeError: the disk went away"
+    assert block["status"] == "failed: stage run_steps: RuntimeError: the disk went away"
     assert block["failure"]["error_kind"] == "runtime" and block["failure"]["log"] == "/jobs/1_0_log.err"
     assert "runtime error; RuntimeError: the disk went away (stage log: /jobs/1_0_log.err)" in format_status(doc)
 
 
 def test_a_failed_block_being_retried_by_a_live_run_is_running(store) -> None:
-    store.write_stage_record(0, "train", {"state": "failed", "error": "E", "failed_at": 5.0})
-    store.write_stage_record(0, "launch_ray", {"state": "running"})
+    store.write_stage_record(0, "run_steps", {"state": "failed", "error": "E", "failed_at": 5.0})
+    store.write_stage_record(0, "start_ray", {"state": "running"})
     lease.acquire(store, "milepost-run:retry", pid=os.getpid())
-    assert campaign_status(store.url)["blocks"][0]["status"] == "running: launch_ray"
+    assert campaign_status(store.url)["blocks"][0]["status"] == "running: start_ray"
 
 
 def test_a_block_that_paused_the_campaign_says_why(store) -> None:
@@ -111,6 +112,7 @@ def test_a_stop_request_pauses_after_the_newest_done_block(store) -> None:
 
 def test_states_from_records_alone() -> None:
     assert block_state({}, None, None) == ("pending", "")
-    assert block_state({"launch_ray": {"state": "running"}}, {"owner": "x"}, None) == ("running", "launch_ray")
-    assert block_state({"launch_ray": {"state": "done"}}, {"owner": "x"}, None) == ("running", "between stages")
-    assert block_state({"evaluate": {"state": "done"}}, {"owner": "x"}, None) == ("done", "")
+    running, done = StageRecord(StageState.RUNNING), StageRecord(StageState.DONE)
+    assert block_state({Stage.START_RAY: running}, {"owner": "x"}, None) == ("running", "start_ray")
+    assert block_state({Stage.START_RAY: done}, {"owner": "x"}, None) == ("running", "between stages")
+    assert block_state({Stage.EVALUATE: done}, {"owner": "x"}, None) == ("done", "")

@@ -1,8 +1,9 @@
-"""The train stage: resume from the latest committed checkpoint, run the block's steps.
+"""The run_steps stage: resume from the latest committed checkpoint, run the block's RL steps
+(each one the loop's phases: rollout, reward, train, weight sync, checkpoint; core/loop.py).
 
 It joins the block's Ray cluster (the trainer ranks are actors of this stage's driver, so
-they die with it) and re-attaches to the fleet the rollout stage started, with a supervisor
-of its own that restarts dead engines for as long as the stage runs."""
+they die with it) and re-attaches to the fleet the start_engines stage started, with a
+supervisor of its own that restarts dead engines for as long as the stage runs."""
 
 from __future__ import annotations
 
@@ -10,8 +11,6 @@ import logging
 import time
 from pathlib import Path
 from typing import Any
-
-from tqdm import tqdm
 
 from milepost.core.data.source import DataCursor, PromptSource, load_rows
 from milepost.core.engine.direct import direct_client
@@ -22,12 +21,14 @@ from milepost.core.loop import LoopState, RLLoop
 from milepost.core.metrics.publish import eval_rows, open_sinks, record_train_start
 from milepost.core.model.loading import load_tokenizer
 from milepost.core.model.moe import is_moe_model
+from milepost.core.records import Stage
 from milepost.core.reward import RewardEvaluator
 from milepost.core.train.factory import create_backend
 from milepost.core.weight_sync import build_transport
 from milepost.core.weight_sync.lora_push import LoraTransport
 from milepost.tasks.block_summary import step_line
 from milepost.tasks.context import StageContext
+from tqdm import tqdm
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +44,8 @@ def _restore(ctx: StageContext, backend: Any) -> LoopState:
                      rollout_chunks=s.get("rollout_chunks", []))
 
 
-def run_train_stage(ctx: StageContext) -> dict[str, Any]:
-    recipe, store, block = ctx.recipe, ctx.store, ctx.block
+def run_steps(ctx: StageContext) -> dict[str, Any]:
+    recipe = ctx.recipe
     last_step = ctx.last_step()
     latest = ctx.checkpoints.latest_valid()
     if latest and latest.step >= last_step:
@@ -103,7 +104,7 @@ def _train(ctx: StageContext, fleet: Any, tokenizer: Any, start_path: str) -> di
         def on_metrics(row: dict[str, Any]) -> None:
             if not first_done:  # for bench/results/slurm_overhead.txt: submission → first step
                 first_done.append(time.time())
-                ctx.update("train", first_step_done_at=first_done[0])
+                ctx.update(Stage.RUN_STEPS, first_step_done_at=first_done[0])
             store.write_metrics(block, [m for m in loop.state.metrics if m["step"] >= block_first])
             bar.update(1)
             bar.set_postfix(reward=f"{row['rollout/reward_mean']:.3f}")
@@ -158,9 +159,9 @@ def _served_policy(ctx: StageContext, backend: Any, start_path: str) -> str:
 
 def _serve_checkpoint(fleet: Any, transport: Any, path: str, version: int, backend: Any) -> None:
     """Before this stage's first rollout, the engines serve exactly the weights it resumes from.
-    A retried train stage needs it (Airflow retries the task when its job dies; the fleet of
-    the rollout stage lives on): the killed attempt may have pushed weights newer than its last
-    checkpoint, or died with the engines asleep (colocated). Resuming memory is a no-op on an
-    awake engine; the push costs one weight sync per train stage."""
+    A retried run_steps stage needs it (Airflow retries the task when its job dies; the fleet of
+    the start_engines stage lives on): the killed attempt may have pushed weights newer than its
+    last checkpoint, or died with the engines asleep (colocated). Resuming memory is a no-op on an
+    awake engine; the push costs one weight sync per run_steps stage."""
     transport.wake()
     transport.push(fleet.clients, path, str(version), backend=backend)
