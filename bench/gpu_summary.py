@@ -33,11 +33,24 @@ def _tensor_sync() -> dict:
     return {"tensor_sync_vs_copy": {"value": value, "date": date, "device": device, "command": command}}
 
 
+GPU_ARITH_KEYS = ("gpu_arith_base_either_form", "gpu_arith_final_either_form", "gpu_arith_resumed_exactly_once")
+
+
+def _gpu_arith() -> dict:
+    """From bench/gpu_arith.py's JSON (copied from the device run's $OUT into bench/results/)."""
+    path = RESULTS / "gpu_arith.json"
+    if not path.exists():
+        pending = "not measured yet: gpu-arith has not run on the H200 (issue 18)"
+        return {key: {"value": None, "reason": pending} for key in GPU_ARITH_KEYS}
+    run = json.loads(path.read_text())
+    if run.get("device", "cpu").startswith("cpu"):
+        raise SystemExit(f"{path} is a CPU run ({run.get('command')}); copy the device run's gpu_arith.json there")
+    src = {"date": run["date"], "device": run["device"], "command": run["command"]}
+    return {key: {"value": run.get(key), **src} for key in GPU_ARITH_KEYS}
+
+
 def main() -> None:
-    summary = {**_engine(), **_tensor_sync()}
-    pending = "not measured yet: gpu-arith has not run on the H200 (issue 18)"
-    for key in ("gpu_arith_base_either_form", "gpu_arith_final_either_form", "gpu_arith_resumed_exactly_once"):
-        summary[key] = {"value": None, "reason": pending}
+    summary = {**_engine(), **_tensor_sync(), **_gpu_arith()}
     (RESULTS / "gpu_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps(summary, indent=1))
 

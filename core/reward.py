@@ -16,7 +16,6 @@ from milepost.core.rewards_math import gsm8k_reward
 from milepost.core.types import Sample
 
 
-
 class RewardFn(Protocol):
     """`reward.function`: the reward of one response against its dataset label."""
 

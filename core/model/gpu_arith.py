@@ -23,7 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from milepost.core.config import GpuArithConfig
-from milepost.core.data.arith import UNSIMPLIFIED_SUFFIX, cache_root, has_carry, operands, sum_without_carries
+from milepost.core.data.arith import (
+    UNSIMPLIFIED_SUFFIX,
+    cache_root,
+    has_carry,
+    operands,
+    sum_without_carries,
+)
 from milepost.core.model import tiny
 
 # Bump when the build procedure changes, so caches made by an older procedure are not reused.

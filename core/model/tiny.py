@@ -14,15 +14,21 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from milepost.core.config import TinyModelConfig
 from milepost.core.data.arith import UNSIMPLIFIED_SUFFIX, WORLDS, cache_root, make_rows
-from milepost.core.model.warmstart import Schedule, greedy_accuracy, train_device, warmstart
+from milepost.core.model.warmstart import (
+    Schedule,
+    greedy_accuracy,
+    train_device,
+    warmstart,
+)
 
 log = logging.getLogger(__name__)
 

@@ -31,6 +31,7 @@ from typing import Any, Callable
 import psutil
 
 import fault_campaign as cp
+from milepost.core.data.epoch import epoch_coverage
 from milepost.core.records import BLOCK_STAGES, Stage, block_path
 
 KINDS = ("driver", "trainer", "engine", "router", "ray_head", "slurm_stage")
@@ -273,17 +274,13 @@ def _stage_now(campaign: Path, block: int = 0) -> str:
 def verify(result: Result, campaign: Path, shape: cp.Shape, reference_sha: str | None) -> None:
     doc = cp.status(campaign)
     sha, rows = cp.final_state(campaign, shape.num_blocks, doc)
-    steps = [r["step"] for r in rows]
-    result.steps_ok = steps == list(range(1, shape.num_steps + 1))
-    prompts = [i for r in rows for i in r.get("data/prompt_indices", [])]
-    expected = set(range(shape.num_prompts))
-    result.lost = len(expected - set(prompts))
-    result.repeated = len(prompts) - len(set(prompts)) + len(set(prompts) - expected)
+    coverage = epoch_coverage(rows, shape.num_steps, shape.num_prompts)
+    result.steps_ok, result.lost, result.repeated = coverage.steps_ok, coverage.lost, coverage.repeated
     result.resumed = cp.complete(campaign, shape.num_blocks, doc)
     if result.mode == "sync":
         result.sha_equal = sha is not None and sha == reference_sha
     if not result.steps_ok and not result.problem:
-        result.problem = f"steps recorded {steps}"
+        result.problem = f"steps recorded {list(coverage.steps)}"
     stale = max((r.get("rollout/staleness", 0) for r in rows), default=0)
     if stale > (1 if result.mode == "async" else 0) and not result.problem:
         result.problem = f"a step trained samples {stale} policy versions old"

@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 
 from milepost.core.config import GpuArithConfig, ModelConfig
-from milepost.core.data.arith import either_form_correct, has_carry, make_rows, operands, sum_without_carries
+from milepost.core.data.arith import (
+    either_form_correct,
+    has_carry,
+    make_rows,
+    operands,
+    sum_without_carries,
+)
 from milepost.core.data.epoch import epoch_coverage
 from milepost.core.model import gpu_arith
 from milepost.core.recipe_io import load_recipe
