@@ -1,0 +1,195 @@
+"""FP8 training linear: `y = x @ w.T (+ bias)` with all three GEMMs (forward, dgrad, wgrad)
+through `torch._scaled_mm`, dynamic ("current") scaling, bf16 GEMM output. Pure functions and
+one autograd.Function; the same code runs on CPU (torch's reference kernel: emulated, slow,
+for tests) and on CUDA devices of compute capability >= 8.9 (FP8 tensor cores).
+
+Scaling (`Fp8Recipe.scaling`):
+- `rowwise` (default): one scale per row of each GEMM operand along its reduction dim (per
+  token for activations, per output feature for the forward weight, per input feature for the
+  dgrad weight, per output / input feature over the tokens for wgrad). Why: an outlier token
+  or channel only coarsens its own row, so e4m3 (3 mantissa bits) serves gradients too: that
+  is torchao's `rowwise` recipe and DeepSeek-V3's choice of e4m3 everywhere. `_scaled_mm`
+  takes scale_a [M, 1], scale_b [1, N] on CPU and, through its CUTLASS kernel, on sm89 / sm90
+  (H100 / H200), which takes mat1 e4m3 or e5m2 and mat2 e4m3, and only bf16 output.
+- `tensorwise`: one scale per tensor (cuBLASLt's FP8 path, every FP8 GPU). One scale must
+  cover a whole gradient tensor's range, so gradients go in e5m2 (range 2**-16..57344, 2
+  mantissa bits), Transformer Engine's HYBRID format; forward casts are reused in backward.
+Scales: `scale_inv = amax / FP8_MAX` (what `_scaled_mm` multiplies by: its scale_a / scale_b
+are dequantisation factors), amax clamped to 1e-12 so an all-zero row quantises to zeros.
+
+Shapes `_scaled_mm` refuses on CUDA (any operand dim not a multiple of 16): the token dim is
+zero-padded (exact: zero rows add nothing to any GEMM); feature dims that are not multiples
+of 16 are static, so `fp8_shape_problem` names them and `fp8_linear` computes that layer in
+bf16 instead (core/train/megatron/fp8.py logs each such layer once, at build).
+Master weights: `weight` is whatever the trainer holds (bf16 parameters with fp32 masters in
+megatron's optimizer on GPU; fp32 parameters on CPU); gradients come back in its dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+ALIGN = 16  # _scaled_mm on CUDA: every operand dim a multiple of 16
+AMAX_FLOOR = 1e-12
+GEMM_OUT = torch.bfloat16  # rowwise _scaled_mm on CUDA outputs bf16 only
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """How the FP8 linear scales. `wgrad_fp8=False` keeps the weight-gradient GEMM in bf16
+    (torchao's `rowwise_with_gw_hp`: its reduction runs over all tokens of the micro-batch)."""
+
+    scaling: Literal["rowwise", "tensorwise"] = "rowwise"
+    wgrad_fp8: bool = True
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        return E4M3 if self.scaling == "rowwise" else E5M2
+
+    def describe(self) -> str:
+        grad = "e4m3" if self.grad_dtype == E4M3 else "e5m2"
+        return (f"{self.scaling} scales, e4m3 activations/weights, {grad} gradients, "
+                f"wgrad in {'fp8' if self.wgrad_fp8 else 'bf16'}")
+
+
+def fp8_shape_problem(out_features: int, in_features: int) -> str | None:
+    """Why a [out, in] weight cannot go through `_scaled_mm` (CUDA wants multiples of 16), or None."""
+    bad = [f"{name} {n}" for name, n in (("out_features", out_features), ("in_features", in_features)) if n % ALIGN]
+    return None if not bad else f"{' and '.join(bad)} not a multiple of {ALIGN} (torch._scaled_mm)"
+
+
+def quantize(x: Tensor, dtype: torch.dtype, dim: int | None) -> tuple[Tensor, Tensor]:
+    """x: [R, C] -> (q: `dtype` [R, C], scale_inv: float32) with q * scale_inv ~ x.
+    dim=1: one scale per row, scale_inv [R, 1]; dim=0: per column, [1, C]; None: per tensor, []."""
+    fmax = torch.finfo(dtype).max
+    amax = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)
+    amax = amax.float().clamp(min=AMAX_FLOOR)
+    q = (x.float() * (fmax / amax)).clamp(-fmax, fmax).to(dtype)
+    return q, amax / fmax
+
+
+def _pad_rows(x: Tensor) -> Tensor:
+    """x: [M, C] -> [ceil(M / 16) * 16, C], zero rows appended."""
+    extra = -x.shape[0] % ALIGN
+    return F.pad(x, (0, 0, 0, extra)) if extra else x
+
+
+def _mm(a: Tensor, sa: Tensor, b_t: Tensor, sb_t: Tensor) -> Tensor:
+    """a: fp8 [M, K] (row-major), sa: [M, 1] or []; b_t: fp8 [N, K] (row-major), sb_t: [N, 1]
+    or [] -> bf16 [M, N] = (a * sa) @ (b_t * sb_t).T. `b_t.t()` is the column-major mat2
+    `_scaled_mm` wants, and its scale the transposed [1, N]. Scales are rebuilt with unit
+    inner strides: `_scaled_mm` checks strides (on CPU as on CUDA), and a transposed [1, N]
+    keeps a stride of N along its size-1 dim that `.contiguous()` does not change."""
+    if sa.dim():
+        sa, sb_t = sa.reshape(-1)[:, None], sb_t.reshape(-1)[None, :]
+    return torch._scaled_mm(a, b_t.t(), scale_a=sa, scale_b=sb_t, out_dtype=GEMM_OUT)
+
+
+def forward_gemm(x: Tensor, w: Tensor, recipe: Fp8Recipe) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """x: [M, K] (M a multiple of 16), w: [N, K] -> (y bf16 [M, N], what backward needs:
+    (x, w) for rowwise, their fp8 casts and scales for tensorwise)."""
+    dim = 1 if recipe.scaling == "rowwise" else None
+    xq, xs = quantize(x, E4M3, dim)
+    wq, ws = quantize(w, E4M3, dim)
+    y = _mm(xq, xs, wq, ws)
+    return y, ((x, w) if recipe.scaling == "rowwise" else (xq, xs, wq, ws))
+
+
+def dgrad_gemm(g: Tensor, saved: tuple[Tensor, ...], recipe: Fp8Recipe) -> Tensor:
+    """g: [M, N] gradient of y -> bf16 [M, K] = g @ w."""
+    if recipe.scaling == "rowwise":
+        gq, gs = quantize(g, recipe.grad_dtype, 1)  # per token
+        wq, ws = quantize(saved[1], E4M3, 0)  # per input feature: the output columns of g @ w
+        return _mm(gq, gs, wq.t().contiguous(), ws.t())
+    gq, gs = quantize(g, recipe.grad_dtype, None)
+    _, _, wq, ws = saved
+    return _mm(gq, gs, wq.t().contiguous(), ws)
+
+
+def wgrad_gemm(g: Tensor, saved: tuple[Tensor, ...], recipe: Fp8Recipe) -> Tensor:
+    """g: [M, N] -> bf16 [N, K] = g.T @ x, reduced over the M tokens."""
+    if recipe.scaling == "rowwise":
+        x = saved[0]
+        gq, gs = quantize(g, recipe.grad_dtype, 0)  # per output feature, over the tokens
+        xq, xs = quantize(x, E4M3, 0)  # per input feature, over the tokens
+        return _mm(gq.t().contiguous(), gs.t(), xq.t().contiguous(), xs.t())
+    xq, xs, _, _ = saved
+    gq, gs = quantize(g, recipe.grad_dtype, None)
+    return _mm(gq.t().contiguous(), gs, xq.t().contiguous(), xs)
+
+
+def _bf16_wgrad(g: Tensor, saved: tuple[Tensor, ...], recipe: Fp8Recipe) -> Tensor:
+    """wgrad in bf16 (Fp8Recipe.wgrad_fp8 False): g: [M, N] -> [N, K]."""
+    if recipe.scaling == "rowwise":
+        x = saved[0]
+    else:
+        xq, xs = saved[0], saved[1]
+        x = xq.float() * xs
+    return g.to(GEMM_OUT).t().matmul(x.to(GEMM_OUT))
+
+
+class Fp8LinearFunction(torch.autograd.Function):
+    """y = x @ w.T + bias with FP8 GEMMs; optional all-reduce of dgrad over a tensor-parallel
+    group (megatron's ColumnParallelLinear does it inside its linear function, so ours must)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, recipe: Fp8Recipe,
+                allreduce_dgrad: bool, tp_group: Any) -> Tensor:
+        lead, k = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, k)
+        m = x2.shape[0]
+        y, saved = forward_gemm(_pad_rows(x2), weight, recipe)
+        ctx.save_for_backward(*saved)
+        ctx.recipe, ctx.m, ctx.lead, ctx.allreduce_dgrad, ctx.tp_group = recipe, m, lead, allreduce_dgrad, tp_group
+        ctx.x_dtype, ctx.w_dtype, ctx.has_bias = x.dtype, weight.dtype, bias is not None
+        out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        y = y[:m].to(out_dtype)
+        if bias is not None:
+            y = y + bias.to(out_dtype)
+        return y.reshape(*lead, weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        saved, recipe, m = ctx.saved_tensors, ctx.recipe, ctx.m
+        g = _pad_rows(grad_out.reshape(m, -1))
+        grad_x = grad_w = grad_b = None
+        handle = None
+        if ctx.needs_input_grad[0]:
+            grad_x = dgrad_gemm(g, saved, recipe)[:m].to(ctx.x_dtype).reshape(*ctx.lead, -1)
+            if ctx.allreduce_dgrad:  # overlapped with wgrad, as megatron does
+                handle = torch.distributed.all_reduce(grad_x, group=ctx.tp_group, async_op=True)
+        if ctx.needs_input_grad[1]:
+            grad_w = (wgrad_gemm if recipe.wgrad_fp8 else _bf16_wgrad)(g, saved, recipe).to(ctx.w_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad_out.reshape(m, -1).sum(dim=0)
+        if handle is not None:
+            handle.wait()
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+def bf16_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """The fallback: x: [..., K], weight: [N, K] -> [..., N] computed in bf16, returned in the
+    dtype an fp8 linear would return (autocast's, else x's)."""
+    y = F.linear(x.to(torch.bfloat16), weight.to(torch.bfloat16), None if bias is None else bias.to(torch.bfloat16))
+    out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    return y.to(out_dtype)
+
+
+def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, recipe: Fp8Recipe = Fp8Recipe(),
+               allreduce_dgrad: bool = False, tp_group: Any = None) -> Tensor:
+    """x: [..., K], weight: [N, K], bias: [N] or None -> [..., N] through FP8 GEMMs, or in bf16
+    when `fp8_shape_problem(N, K)` says `_scaled_mm` would refuse the weight's shape. Output
+    dtype: the autocast dtype under autocast, else x's."""
+    problem = fp8_shape_problem(*weight.shape)
+    if problem is not None:
+        if allreduce_dgrad:
+            raise ValueError(f"fp8_linear's bf16 fallback ({problem}) does not all-reduce dgrad; compute this "
+                             "tensor-parallel layer with megatron's own linear")
+        return bf16_linear(x, weight, bias)
+    return Fp8LinearFunction.apply(x, weight, bias, recipe, allreduce_dgrad, tp_group)
