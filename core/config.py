@@ -415,7 +415,9 @@ class PrecisionConfig(Section):
                             "bf16 parameters with fp32 master weights in its optimizer on GPU, autocast on CPU); "
                             "int4_qat (torch backend: fp32 master weights, every Linear but the head "
                             "fake-quantised to group-wise int4 in the forward, straight-through gradients); "
-                            "fp8 (not built yet: needs a CUDA device of compute capability >= 8.9).")
+                            "fp8 (megatron backend: bf16 training with the transformer linears' GEMMs through "
+                            "torch._scaled_mm, fp32 master weights; CUDA compute capability >= 8.9, or a CPU, "
+                            "where it is emulated and slow).")
     rollout: RolloutPrecision = Field(
         "fp32", description="Engine weights: fp32, bf16 (--dtype float32 / bfloat16); int4 (built-in engine: "
                             "the pushed fp32 weights quantised with precision.train int4_qat's function, "

@@ -104,7 +104,8 @@ def train_layout(recipe: Recipe) -> TrainLayout:
         vpp=m.virtual_pipeline, cp=m.context_parallel, ep=m.expert_parallel,
         etp=m.expert_tensor_parallel or m.tensor_parallel, sequence_parallel=m.sequence_parallel,
         distributed_optimizer=m.distributed_optimizer, recompute=m.recompute,
-        precision="bf16" if recipe.precision.train == "bf16" else "fp32",
+        # fp8 keeps bf16 parameters and fp32 masters (megatron/fp8.py): bf16's memory, activations included
+        precision="bf16" if recipe.precision.train in ("bf16", "fp8") else "fp32",
         micro_batch_tokens=m.micro_batch_tokens, seq_tokens=seq, tokens_per_step=per_step, **lora)
 
 

@@ -7,7 +7,10 @@ the engines, and the start-up refusal of a mode the device cannot run.
 | bf16            | bf16 autocast, fp32 weights      | GPU: bf16 params, fp32 master (its  | `--dtype bfloat16`     | `--dtype bfloat16`  |
 |                 |                                  | optimizer); CPU: autocast           |                        |                     |
 | int4_qat / int4 | fake-quantised Linears (STE)     | refused (config.py): not built      | `--quantization int4`  | refused (config.py) |
-| fp8             | refused: CUDA cc >= 8.9, and not built yet (issue 21: torch._scaled_mm linears, FP8 weights on sync) |||
+| fp8             | refused: not built               | bf16 + the transformer linears'     | refused: not built yet (issue 21:           ||
+|                 |                                  | GEMMs through torch._scaled_mm      | FP8 weights quantised on sync)              ||
+|                 |                                  | (megatron/fp8.py); CUDA cc >= 8.9,  |                                             ||
+|                 |                                  | or CPU (emulated, slow: tests)      |                                             ||
 
 Refusals are one line naming the field, the reason and the fix (a UserError: `milepost run`
 exits 2). What no device runs is refused by the recipe schema (config.py); what depends on
@@ -75,12 +78,17 @@ def _fp8_problem(field: str, where: str, device: Device | None, todo: str) -> st
 
 def train_problem(mode: str, backend: str, device: Device | None) -> str | None:
     """Why `precision.train` `mode` cannot run on `device` (None: not known here), or None.
-    The torch backend always trains on CPU (gloo)."""
+    fp8 is built for the megatron backend: on CUDA devices of compute capability >= 8.9, and on
+    a CPU, where torch._scaled_mm is emulated (slow; it runs the GPU's code in tests). A device
+    not known here is checked again by each rank (megatron/worker.py)."""
     if mode != "fp8":
         return None
-    where = "train.backend torch" if backend == "torch" else f"train.backend {backend} on this machine"
-    return _fp8_problem("precision.train", where, Device("cpu") if backend == "torch" else device,
-                        "FP8 linear layers through torch._scaled_mm with fp32 master weights")
+    if backend != "megatron":
+        return (f"precision.train fp8 is built for train.backend megatron only (its linears' GEMMs through "
+                f"torch._scaled_mm), not train.backend {backend}; use train.backend megatron or precision.train bf16")
+    if device is not None and device.kind == "cuda" and device.capability < FP8_CAPABILITY:
+        return _fp8_problem("precision.train", f"train.backend {backend} on this machine", device, "")
+    return None
 
 
 def rollout_problem(mode: str, engine: str, device: Device | None) -> str | None:

@@ -90,7 +90,7 @@ def test_typical_relative_errors_are_a_few_percent_and_e4m3_gradients_beat_e5m2(
     # gradients in e5m2 (2 mantissa bits) cost ~1.6x e4m3's
     x, w, b, grad = _inputs(m=256, k=128, n=96, seed=1)
     yr, gxr, gwr, _ = _reference(x, w, b, grad)
-    rel = lambda a, r: float((a.detach().double() - r).norm() / r.norm())  # noqa: E731
+    rel = lambda a, r: float((a.detach().double() - r).norm() / r.norm())
     errs = {}
     for recipe in RECIPES[:2]:
         xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -164,7 +164,7 @@ def test_under_bf16_autocast_the_output_is_bf16_and_gradients_keep_the_fp32_mast
 
 
 def test_a_frozen_weight_gets_no_gradient_and_the_input_still_does() -> None:
-    x, w, b, grad = _inputs()
+    x, w, _, grad = _inputs()
     xg = x.clone().requires_grad_()
     fp8_linear(xg, w, None).backward(grad)
     assert xg.grad is not None and w.grad is None

@@ -42,11 +42,11 @@ def test_combinations_no_device_runs_are_refused_by_the_schema(overrides, needle
 
 
 @pytest.mark.parametrize("overrides,device,needle", [
-    (["precision.train=fp8"], H200, r"^precision.train fp8 needs a CUDA device of compute capability >= 8.9 \(FP8 "
-                                    r"matmuls\), and train.backend torch runs on a CPU; use precision.train bf16$"),
+    (["precision.train=fp8"], H200, r"^precision.train fp8 is built for train.backend megatron only \(its linears' "
+                                    r"GEMMs through torch._scaled_mm\), not train.backend torch; use train.backend "
+                                    r"megatron or precision.train bf16$"),
     (["precision.train=fp8", "train.backend=megatron"], A100,
      r"train.backend megatron on this machine runs on a CUDA device of compute capability \(8, 0\)"),
-    (["precision.train=fp8", "train.backend=megatron"], H200, r"^precision.train fp8 is not built yet \(issue 21"),
     (["precision.rollout=fp8"], CPU, r"^precision.rollout fp8 needs a CUDA device .* rollout.engine builtin .* a CPU; "
                                      r"use precision.rollout bf16$"),
     (["precision.rollout=fp8"], H200, r"^precision.rollout fp8 is not built yet"),
@@ -55,6 +55,13 @@ def test_combinations_no_device_runs_are_refused_by_the_schema(overrides, needle
 def test_fp8_is_refused_with_the_device_reason_or_as_not_built(overrides, device, needle) -> None:
     with pytest.raises(PrecisionError, match=needle):
         check_precision(_recipe(*overrides), (lambda: device) if device else None)
+
+
+@pytest.mark.parametrize("device", [H200, CPU, None])
+def test_fp8_training_with_megatron_passes_on_an_fp8_gpu_on_a_cpu_emulated_and_where_the_device_is_unknown(
+        device) -> None:
+    check_precision(_recipe("precision.train=fp8", "train.backend=megatron", "precision.rollout=bf16"),
+                    (lambda: device) if device else None)
 
 
 @pytest.mark.parametrize("train,rollout", [("fp32", "fp32"), ("bf16", "bf16"), ("int4_qat", "int4"), ("bf16", "fp32")])

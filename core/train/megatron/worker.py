@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import random
 from contextlib import nullcontext
@@ -37,6 +38,7 @@ import torch
 import torch.distributed as dist
 from milepost.core.algo.routing_replay import RankReplay
 from milepost.core.config import AlgoConfig, TrainConfig
+from milepost.core.quant.fp8_linear import Fp8Recipe
 from milepost.core.tcp_store import bound_store
 from milepost.core.train.batch import padding_sample
 from milepost.core.train.megatron import cpu_compat, fusions, moe_tp
@@ -68,6 +70,7 @@ from milepost.core.train.weight_source import SenderRank
 from milepost.core.types import Sample
 
 PG_TIMEOUT = datetime.timedelta(minutes=10)
+log = logging.getLogger(__name__)
 
 
 def use_fused_adam(optimizer: Any) -> None:
@@ -89,12 +92,25 @@ def compat(method: Any) -> Any:
     return wrapped
 
 
+def check_fp8_device(device: torch.device) -> None:
+    """fp8 runs on CPU (emulated) and on CUDA devices of compute capability >= 8.9; refuse others
+    here too, for runs whose device was not known at start-up (core/quant/modes.py)."""
+    from milepost.core.quant.modes import FP8_CAPABILITY
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < FP8_CAPABILITY:
+        raise ValueError(f"precision.train fp8 needs a CUDA device of compute capability >= 8.9 (FP8 matmuls), "
+                         f"this rank has {torch.cuda.get_device_name(device)} "
+                         f"({torch.cuda.get_device_capability(device)}); use precision.train bf16")
+
+
 class MegatronRankWorker(SenderRank):
     def __init__(self, rank: int, world_size: int, model_path: str, train_cfg: TrainConfig, algo_cfg: AlgoConfig,
-                 temperature: float, seed: int, total_steps: int | None, precision: str = "fp32") -> None:
-        """`precision`: precision.train (fp32 | bf16; core/train/precision.py says what bf16 does where)."""
+                 temperature: float, seed: int, total_steps: int | None, precision: str = "fp32",
+                 fp8_recipe: Fp8Recipe | None = None) -> None:
+        """`precision`: precision.train (fp32 | bf16 | fp8; core/train/precision.py says what each
+        does where). `fp8_recipe`: how fp8 scales (core/quant/fp8_linear.py; benchmarks vary it)."""
         torch.set_num_threads(train_cfg.num_threads_per_rank)
         self.rank, self.world_size, self.model_path, self.precision = rank, world_size, model_path, precision
+        self.fp8_recipe = fp8_recipe or Fp8Recipe()
         self.cfg, self.algo, self.temperature, self.seed = train_cfg, algo_cfg, temperature, seed
         self.lr_mult = lr_lambda(train_cfg.lr_schedule, train_cfg.warmup_steps, total_steps)
         self.sched_step = 0
@@ -140,9 +156,13 @@ class MegatronRankWorker(SenderRank):
         self.spec: ModelSpec = spec_from_hf_config(hf_cfg, m.tensor_parallel)
         self.pad_id = int(getattr(hf_cfg, "pad_token_id", None) or 0)
         # bf16 on GPU: bf16 parameters, fp32 master weights in megatron's optimizer; on CPU (whose bf16
-        # optimizer wraps CUDA tensors only) fp32 parameters under bf16 autocast (core/train/precision.py)
-        self.dtype = torch.bfloat16 if self.precision == "bf16" and on_gpu else torch.float32
-        self.autocast = "bf16" if self.precision == "bf16" and not on_gpu else "fp32"
+        # optimizer wraps CUDA tensors only) fp32 parameters under bf16 autocast (core/train/precision.py).
+        # fp8 is bf16 training with the transformer linears' GEMMs in fp8 (megatron/fp8.py)
+        low = self.precision in ("bf16", "fp8")
+        if self.precision == "fp8":
+            check_fp8_device(self.device)
+        self.dtype = torch.bfloat16 if low and on_gpu else torch.float32
+        self.autocast = "bf16" if low and not on_gpu else "fp32"
         self.tconfig = transformer_config(self.spec, m, self.dtype, on_cpu=not on_gpu)
         chunks = self._build_chunks()
         self.replay = self._attach_replay(chunks)
@@ -201,12 +221,25 @@ class MegatronRankWorker(SenderRank):
         vp = self.cfg.megatron.virtual_pipeline
         stages = [None] if vp is None else list(range(vp))
         chunks = [build_gpt_model(self.spec, self.tconfig, vp_stage=s).to(self.device) for s in stages]
+        if self.precision == "fp8":
+            self._attach_fp8(chunks)
         for chunk in chunks:  # norms in the model dtype (megatron's ignore params_dtype), fused if asked
             fusions.swap_norms(chunk, self.dtype, self.cfg.megatron.fuse)
         load_hf_into(chunks, self.model_path, self.spec, self.tp_rank, self.tp_size, self.ep_rank)
         if self.spec.num_experts and not self.cfg.megatron.sequence_parallel:
             moe_tp.allow_tp_without_sequence_parallel(chunks, self.tp_size)  # replicated tokens (moe_tp.py)
         return chunks
+
+    def _attach_fp8(self, chunks: list[Any]) -> None:
+        """precision.train fp8: the transformer linears' GEMMs through torch._scaled_mm; one log
+        line per rank-0 build (the layers in fp8, the bf16 fallbacks counted by reason)."""
+        from milepost.core.train.megatron.fp8 import attach_fp8
+        layers = attach_fp8(chunks, self.fp8_recipe)
+        if self.rank == 0 and not getattr(self, "_fp8_logged", False):
+            self._fp8_logged = True
+            emulated = (" — on CPU torch._scaled_mm is emulated (no FP8 hardware) and slow: this runs the GPU's "
+                        "code for tests, not for speed") if self.device.type == "cpu" else ""
+            log.warning("precision.train fp8 (%s): %s%s", self.fp8_recipe.describe(), layers.describe(), emulated)
 
     def _build_ddp_and_optimizer(self, chunks: list[Any]) -> None:
         from megatron.core.distributed import (

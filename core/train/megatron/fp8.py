@@ -1,0 +1,94 @@
+"""precision.train fp8 in the megatron backend: the GEMMs of the transformer layers' linears
+(attention qkv / proj, MLP fc1 / fc2, MoE experts' fc1 / fc2: megatron-core's local
+ColumnParallelLinear / RowParallelLinear) go through `core/quant/fp8_linear.py`.
+
+What stays bf16: the embedding, the output layer (its logits feed the logprobs and the loss
+directly; it is also applied by head.py at response positions only), MoE routers (not
+Column/RowParallelLinear), norms, attention, and any linear whose feature dims `_scaled_mm`
+refuses (listed once, at build, by the worker). Parameters, their names, DDP buckets, the
+optimizer (fp32 master weights and Adam state), checkpoints and exported weights are those of
+bf16 training: only the layer's class changes (a subclass with `_forward_impl` replaced), as
+int4 QAT does for the torch backend.
+
+Tensor parallelism: ColumnParallelLinear all-reduces its input gradient inside its linear
+function (`allreduce_dgrad`), so `Fp8LinearFunction` does it too, over the layer's TP group;
+RowParallelLinear's all-reduce of the output stays in megatron's forward. Sequence parallel
+(an all-gather inside the linear function) is refused here (the backend refuses it anyway
+without Transformer Engine).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from milepost.core.quant.fp8_linear import (
+    Fp8LinearFunction,
+    Fp8Recipe,
+    fp8_shape_problem,
+)
+
+KEEP_BF16 = ("output_layer",)  # module names (last part) that stay in bf16 whatever their shape
+
+
+@dataclass
+class Fp8Layers:
+    """What `attach_fp8` did: layer names in fp8, and the bf16 ones with the reason."""
+
+    fp8: list[str] = field(default_factory=list)
+    bf16: dict[str, str] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """One line for the log: the count in fp8 and each bf16 fallback reason, counted once."""
+        reasons: dict[str, int] = {}
+        for reason in self.bf16.values():
+            reasons[reason] = reasons.get(reason, 0) + 1
+        fallbacks = "; ".join(f"{n} layer(s): {r}" for r, n in sorted(reasons.items()))
+        return (f"{len(self.fp8)} linear layer(s) through torch._scaled_mm, {len(self.bf16)} in bf16"
+                + (f" ({fallbacks})" if fallbacks else ""))
+
+
+def _fp8_forward_impl(self: Any, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      gradient_accumulation_fusion: bool, allreduce_dgrad: bool, sequence_parallel: bool,
+                      grad_output_buffer: Any = None, wgrad_deferral_limit: Any = None, tp_group: Any = None,
+                      **_: Any) -> torch.Tensor:
+    """megatron's `_forward_impl` signature (tensor_parallel/layers.py), the GEMM in fp8."""
+    if sequence_parallel or gradient_accumulation_fusion or grad_output_buffer is not None:
+        raise ValueError("precision.train fp8 does not support sequence_parallel, gradient accumulation fusion or "
+                         "deferred embedding wgrad; turn them off (train.megatron.sequence_parallel false)")
+    if allreduce_dgrad and tp_group is None:
+        from megatron.core.parallel_state import get_tensor_model_parallel_group
+        tp_group = get_tensor_model_parallel_group()
+    return Fp8LinearFunction.apply(input, weight, bias, self.fp8_recipe, allreduce_dgrad, tp_group)
+
+
+@functools.cache
+def fp8_class(base: type) -> type:
+    """`base` (ColumnParallelLinear / RowParallelLinear) with its GEMM in fp8."""
+    return type(f"Fp8{base.__name__}", (base,), {"_forward_impl": _fp8_forward_impl})
+
+
+def attach_fp8(chunks: list[Any], recipe: Fp8Recipe) -> Fp8Layers:
+    """Turn the transformer linears of every model chunk into their fp8 class, in place (before
+    DDP wraps them). Returns which layers went fp8 and which stay bf16, and why."""
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+    )
+    done = Fp8Layers()
+    for i, chunk in enumerate(chunks):
+        for name, module in chunk.named_modules():
+            if type(module) not in (ColumnParallelLinear, RowParallelLinear):
+                continue
+            label = f"chunk{i}.{name}" if len(chunks) > 1 else name
+            problem = ("kept in bf16: the output layer" if name.rsplit(".", 1)[-1] in KEEP_BF16
+                       else fp8_shape_problem(*module.weight.shape))
+            if problem is not None:
+                done.bf16[label] = problem
+                continue
+            module.__class__ = fp8_class(type(module))
+            module.fp8_recipe = recipe
+            done.fp8.append(label)
+    return done
