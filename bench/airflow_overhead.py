@@ -1,13 +1,13 @@
 """Orchestration overhead per block: the time of a block that is not spent inside its stage
 jobs, and the time not spent in start_engines/run_steps/evaluate, for each way a block can run:
 
-    direct            BlockRunner, no Airflow (what `milepost run` did before the DAG)
+    direct            BlockDriver.run_block, no Airflow (what `milepost run` did before the DAG)
     embedded          `milepost run`: the DAG through dag.test(), in-process, local jobs
     standalone-local  a real Airflow (`milepost airflow up`), triggered through REST, local jobs
     standalone-slurm  the same Airflow, every stage a job on the dev Slurm cluster
 
 Same recipe and seed, one block of `--steps` steps each, the tiny model built beforehand.
-Per block: wall = the block's DAG run (or BlockRunner call) from start to end; in stages =
+Per block: wall = the block's DAG run (or BlockDriver.run_block call) from start to end; in stages =
 the sum of the stage jobs' own run times (their records' started_at → finished_at, teardown
 included); overhead = wall − in stages (task scheduling, job submission and start-up,
 imports, trigger polling); not RL = wall − (start_engines + run_steps + evaluate).
@@ -71,10 +71,10 @@ def summary(mode: str, wall: float, stages: dict[str, float], campaign: Path) ->
 
 
 def run_direct(work: Path, steps: int, env: dict[str, str]) -> str:
-    code = ("import sys, time; from milepost.core.recipe_io import load_recipe; "
-            "from milepost.tasks.campaign import prepare_campaign; from milepost.tasks.block import BlockRunner; "
+    code = ("import os, sys, time; from milepost.core.recipe_io import load_recipe; "
+            "from milepost.tasks.campaign import prepare_campaign; from milepost.tasks.block_driver import BlockDriver; "
             "p = prepare_campaign(load_recipe('recipes/tiny-arith.yaml', sys.argv[2:]), sys.argv[1]); "
-            "t = time.time(); BlockRunner(p.recipe, p.store, show_progress=False).run_block(0); "
+            "t = time.time(); BlockDriver(p.store, p.recipe, driver_pid=os.getpid()).run_block(0); "
             "print('WALL', time.time() - t)")
     out = subprocess.run([sys.executable, "-c", code, str(work / "direct"), *overrides(steps)], cwd=ROOT, env=env,
                          capture_output=True, text=True, check=True, timeout=1800).stdout
@@ -126,7 +126,7 @@ def main() -> None:
     args = parser.parse_args()
     modes = args.modes.split(",")
     lines = [f"# Orchestration overhead per block (bench/airflow_overhead.py --steps {args.steps}), tiny-arith,",
-             "# one block, model built beforehand; wall = the block's DAG run (BlockRunner call for direct).",
+             "# one block, model built beforehand; wall = the block's DAG run (BlockDriver.run_block call for direct).",
              f"# load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (shared machine)"]
     with tempfile.TemporaryDirectory(prefix="mp-airflow-bench-") as tmp:
         work = Path(tmp)

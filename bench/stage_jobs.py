@@ -1,8 +1,9 @@
 """A campaign's stages as local jobs of this process, for drivers that run where Airflow does
-not (bench/gpu_arith.py): each stage is `python -m milepost.tasks.stage`, the stage runner
-every executor runs, started as a child of this process, its output in a log file of its
-own. A stage can be SIGKILLed once at a chosen moment (by the child's pid, which its stage
-record names too) and is then run again, as an Airflow retry runs a task whose job died.
+not (bench/gpu_arith.py): each stage is submitted and waited on by the block driver
+(tasks/block_driver.py, as the DAG's operator and `milepost run` submit theirs), its job's
+output copied to a log file of its own. A stage can be SIGKILLed once at a chosen moment
+(a watch of the driver's wait: by the pid its stage record names, a process of the stage's
+job) and is then run again, as an Airflow retry runs a task whose job died.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 from milepost.core.checkpoint import CheckpointManager
-from milepost.core.records import DRIVER_PID_ENV, Stage, StageState, block_path
+from milepost.core.records import Stage, StageState, block_path
+from milepost.tasks.block_driver import BlockDriver, StageFailed, SubmittedStage
 from milepost.tasks.campaign import prepare_campaign
 from milepost.tasks.context import FLEET_DOC
 
@@ -63,15 +66,14 @@ class StageJobs:
     def __init__(self, recipe: Any, overrides: list[str], recipe_path: str, campaign: str, logs: Path) -> None:
         self.recipe, self.overrides, self.recipe_path, self.logs = recipe, overrides, recipe_path, logs
         self.store = prepare_campaign(recipe, campaign).store  # as `milepost run` makes it
-        self.url = str(Path(campaign).resolve())
         self.checkpoints = CheckpointManager(self.store.local_path("checkpoints"), recipe.checkpoint.keep_last)
-        self.env = {**os.environ, DRIVER_PID_ENV: str(os.getpid())}  # stage jobs die with this driver
+        self.driver = BlockDriver(self.store, recipe, driver_pid=os.getpid())  # stage jobs die with this process
         logs.mkdir(parents=True, exist_ok=True)
 
     def build_model(self) -> dict[str, Any]:
         """Build (or find cached) the recipe's model; its path, wall time and build report."""
         done = subprocess.run([sys.executable, "-c", BUILD, self.recipe_path, *self.overrides], cwd=ROOT,
-                              env=self.env, capture_output=True, text=True, check=False)
+                              capture_output=True, text=True, check=False)
         (self.logs / "build.log").write_text(done.stdout + done.stderr)
         if done.returncode:
             raise RuntimeError(f"the model build failed (exit {done.returncode}); see {self.logs / 'build.log'}")
@@ -81,16 +83,22 @@ class StageJobs:
         """Run one stage to the end; the wall time of each attempt (two when `kill` struck)."""
         walls = []
         for attempt in range(2 if kill is not None else 1):
-            began = time.monotonic()
-            proc = self._start(block, stage, attempt)
-            killed = kill is not None and attempt == 0 and self._kill_when_due(proc, block, kill)
-            rc = proc.wait()
-            walls.append(time.monotonic() - began)
-            if not killed:
-                if rc:
-                    raise RuntimeError(f"block {block} stage {stage} failed (exit {rc}); see "
-                                       f"{self._log(block, stage, attempt)}")
-                break
+            began, jobs = time.monotonic(), []
+            plan = kill if attempt == 0 else None
+
+            def watch(job: SubmittedStage) -> None:
+                jobs.append(job)  # for its log, copied whatever happens
+                self._kill_when_due(job, plan)
+
+            try:
+                self.driver.run_stage(block, stage, watch=watch)
+                return walls + [time.monotonic() - began]
+            except StageFailed:
+                if not (plan and plan.report):  # failed by itself, not by the plan
+                    raise
+                walls.append(time.monotonic() - began)
+            finally:
+                self._keep_log(jobs, block, stage, attempt)
         return walls
 
     def where(self, block: int) -> dict[str, Any]:
@@ -108,21 +116,29 @@ class StageJobs:
     def _log(self, block: int, stage: Stage, attempt: int) -> Path:
         return self.logs / f"b{block}-{stage.value}-{attempt}.log"
 
-    def _start(self, block: int, stage: Stage, attempt: int) -> subprocess.Popen:
-        with open(self._log(block, stage, attempt), "wb") as log:
-            return subprocess.Popen([sys.executable, "-m", "milepost.tasks.stage", "--campaign", self.url,
-                                     "--block", str(block), "--stage", stage.value],
-                                    cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+    def _keep_log(self, jobs: list[SubmittedStage], block: int, stage: Stage, attempt: int) -> None:
+        """The stage job's output (stdout, then stderr) beside the other logs of this run."""
+        paths = [p for job in jobs for p in (job.job.stdout_path, job.job.stderr_path) if p.exists()]
+        self._log(block, stage, attempt).write_bytes(b"".join(p.read_bytes() for p in paths))
 
-    def _kill_when_due(self, proc: subprocess.Popen, block: int, kill: KillPlan) -> bool:
-        """Wait for the plan's moment, then SIGKILL the stage job (this process's child, the pid
-        its running record names); False when the stage ended first."""
-        while proc.poll() is None:
+    def _kill_when_due(self, submitted: SubmittedStage, kill: KillPlan | None) -> None:
+        """Wait for the plan's moment, then SIGKILL the stage (the pid its running record names,
+        a process of this stage's job); returns at once without a plan, or when the job ended first."""
+        if kill is None or kill.block != submitted.block:
+            return
+        while not submitted.job.state().outcome.terminal:
             moment = kill.moment(self)
-            record = self.store.stage_record(block, Stage.RUN_STEPS)
-            if moment and record and record.state is StageState.RUNNING and record.pid == proc.pid:
-                os.kill(proc.pid, signal.SIGKILL)
-                kill.report.update(moment, block=block, pid=proc.pid, at=time.time())
-                return True
+            record = self.store.stage_record(submitted.block, Stage.RUN_STEPS)
+            if moment and record and record.state is StageState.RUNNING and record.pid in _job_pids(submitted):
+                os.kill(record.pid, signal.SIGKILL)
+                kill.report.update(moment, block=submitted.block, pid=record.pid, at=time.time())
+                return
             time.sleep(POLL_S)
-        return False
+
+
+def _job_pids(submitted: SubmittedStage) -> set[int]:
+    """The processes of a local stage job (its job id is the pid of submitit's controller)."""
+    try:
+        return {p.pid for p in psutil.Process(int(submitted.job.job_id)).children(recursive=True)}
+    except (psutil.NoSuchProcess, ValueError):
+        return set()

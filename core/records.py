@@ -164,10 +164,8 @@ def check_campaign_url(url: str) -> None:
 
 
 # --- between processes ----------------------------------------------------------------------------
-# A local stage job exits when the process of this pid is gone (it must not outlive `milepost run`).
-DRIVER_PID_ENV = "MILEPOST_DRIVER_PID"
 # Set by `milepost run` for the DAG it runs in-process (embedded mode): local stage jobs die with
-# that process, and the run writes under that process's lease.
+# that process (their `--driver-pid`), and the run writes under that process's lease.
 EMBEDDED_DRIVER_PID_ENV = "MILEPOST_EMBEDDED_DRIVER_PID"
 LEASE_OWNER_ENV = "MILEPOST_LEASE_OWNER"
 # The DAG file's inputs: which recipes become DAGs, and where their campaigns live by default.

@@ -1,6 +1,7 @@
 """The operator of every block stage: submit `python -m milepost.tasks.stage` for one stage
-through the executor interface of `slurm/`, then defer to `StageJobTrigger` until the job
-ends (no worker slot held meanwhile), then check the outcome.
+through the block driver (tasks/block_driver.py: the executor, the stage command, leftover
+teardown, timing records, failure messages and the eval report are its policy), then defer
+to `StageJobTrigger` until the job ends (no worker slot held meanwhile), then check the outcome.
 
 Stages are idempotent and checkpointed, so an Airflow retry simply submits the stage again:
 a stage whose record says `done` is not submitted at all (its recorded outputs stand; the
@@ -13,35 +14,40 @@ before raising, for `block_failed`'s advice. evaluate ends by applying the regre
 the block's summary table (`tasks.block_summary`), so its log shows what the block achieved.
 
 Imports here are Airflow's SDK and the standard library; milepost's recipe schema (pydantic),
-the store (fsspec) and the executors (submitit) are imported inside `execute`, never when
-the DAG file is parsed.
+the store (fsspec), the block driver and the executors (submitit) are imported inside
+`execute`, never when the DAG file is parsed.
 """
 
 from __future__ import annotations
 
 import os
-import sys
-import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator
 from milepost.core.records import (
-    DRIVER_PID_ENV,
     EMBEDDED_DRIVER_PID_ENV,
     LEASE_OWNER_ENV,
     RECIPE_DOC,
-    TIMINGS_DOC,
     Stage,
     StageRecord,
     StageState,
-    block_path,
     campaign_id,
     parse_stage,
 )
 
+if TYPE_CHECKING:
+    from milepost.tasks.block_driver import BlockDriver
+
+
+def embedded_driver_pid() -> int | None:
+    """Embedded (dags/embedded.py), the `milepost run` process that local stage jobs die with;
+    under a scheduler None: a local stage must outlive this task process, which exits when
+    the task defers."""
+    return int(os.environ.get(EMBEDDED_DRIVER_PID_ENV) or 0) or None
+
 
 def embedded() -> bool:
-    return bool(os.environ.get(EMBEDDED_DRIVER_PID_ENV))
+    return embedded_driver_pid() is not None
 
 
 def lease_owner(context: Any) -> str:
@@ -51,11 +57,6 @@ def lease_owner(context: Any) -> str:
 
 class StageFailedError(RuntimeError):
     """A stage job ended without recording the stage done; the message says where its log is."""
-
-
-def stage_command(campaign_url: str, block: int, stage: str) -> list[str]:
-    return [sys.executable, "-m", "milepost.tasks.stage", "--campaign", campaign_url, "--block", str(block),
-            "--stage", stage]
 
 
 class StageOperator(BaseOperator):
@@ -77,6 +78,13 @@ class StageOperator(BaseOperator):
         params = context["params"]
         return campaign_id(str(params["campaign_url"])), int(params["block"])
 
+    @staticmethod
+    def _driver(url: str) -> BlockDriver:
+        from milepost.core.store import CampaignStore
+        from milepost.tasks.block_driver import BlockDriver
+
+        return BlockDriver(CampaignStore(url), driver_pid=embedded_driver_pid())
+
     def _prepare_campaign(self, context: Any, url: str, overrides: list[str]) -> None:
         from airflow.sdk.exceptions import AirflowFailException
         from milepost.core.recipe_io import load_recipe
@@ -88,7 +96,7 @@ class StageOperator(BaseOperator):
             push_failure(context, self.stage, f"{type(e).__name__}: {e}", "user", None)
             raise AirflowFailException(f"{e}\nTrigger the run again with corrected overrides.") from None
 
-    def _claim(self, context: Any, store: Any, recipe: Any, block: int) -> str | None:
+    def _claim(self, context: Any, driver: BlockDriver, block: int) -> str | None:
         """The lease (start_ray takes it, the others renew it), and at start_ray the campaign
         checks: paused or stopped, the right next block, what a killed run left behind. None:
         teardown of a run that never held the lease (another run does; its block is not ours)."""
@@ -98,7 +106,7 @@ class StageOperator(BaseOperator):
         from milepost.tasks import lease
         from milepost.tasks.progression import CampaignPaused, check_can_start
 
-        owner = lease_owner(context)
+        owner, store = lease_owner(context), driver.store
         if self.stage == Stage.TEARDOWN:
             current = lease.read_lease(store)
             if current and current.get("owner") != owner and current.get("expires_at", 0.0) > _time.time():
@@ -109,8 +117,8 @@ class StageOperator(BaseOperator):
         try:
             if self.stage == Stage.START_RAY:
                 lease.acquire(store, owner)
-                check_can_start(store, recipe, block, resume=bool(context["params"].get("resume")))
-                self._release_leftovers(store, block)
+                check_can_start(store, driver.recipe, block, resume=bool(context["params"].get("resume")))
+                driver.release_leftovers(block)
             else:
                 lease.renew(store, owner)
         except (lease.LeaseHeldError, CampaignPaused) as e:  # no retry changes either
@@ -118,21 +126,10 @@ class StageOperator(BaseOperator):
             raise AirflowFailException(str(e)) from None
         return owner
 
-    def _release_leftovers(self, store: Any, block: int) -> None:
-        """A block that a killed run left launched (its teardown never ran) is torn down first,
-        so this run does not attach to a dead Ray cluster; run_steps then resumes from its checkpoint."""
-        launch = store.stage_record(block, Stage.START_RAY)
-        if launch and launch.state is not StageState.RELEASED and not store.stage_done(block, Stage.EVALUATE):
-            from milepost.tasks.stage import run_stage
-
-            self.log.info("block %d: releasing what an earlier run left (start_ray %s)", block, launch.state)
-            run_stage(store.url, block, Stage.TEARDOWN)
-
     def execute(self, context: Any) -> dict[str, Any] | None:
-        from milepost.core.store import CampaignStore
-
         url, block = self._ids(context)
-        store = CampaignStore(url)
+        driver = self._driver(url)
+        store = driver.store
         overrides = list(context["params"].get("overrides") or [])
         # The first run writes the campaign; a later one with overrides must match it (else it
         # is refused, saying what changed); a later one without overrides uses what is stored.
@@ -143,7 +140,6 @@ class StageOperator(BaseOperator):
                 self.log.info("%s is not a campaign yet (start_ray did not prepare it): nothing to release", url)
                 return None
             raise StageFailedError(f"{url} has no {RECIPE_DOC}: start_ray prepares it; clear that task")
-        recipe = store.load_recipe()
         ids = {"campaign_url": url, "block": block, "stage": self.stage}
         record = store.stage_record(block, self.stage)
         block_done = store.stage_done(block, Stage.EVALUATE)
@@ -151,74 +147,53 @@ class StageOperator(BaseOperator):
             # A done block is not launched again (its start_ray/start_engines records say `released`).
             # A retry of a stage already recorded done (apache/airflow#67287: the executor and the
             # scheduler race and a finished task is put up for retry) ends here, at once.
-            self._already_done(store, block, record, block_done)
+            self._already_done(driver, block, record, block_done)
             if self.stage == Stage.EVALUATE:
-                self._finish_evaluate(store, recipe, block)
+                self._finish_evaluate(driver, block)
             return {**ids, "job_id": str((record and (record.slurm_job_id or record.pid)) or "")}
-        owner = self._claim(context, store, recipe, block)  # only a stage that will write needs the lease
+        owner = self._claim(context, driver, block)  # only a stage that will write needs the lease
         if owner is None:
             return None
 
         from milepost.dags.triggers import StageJobTrigger
         from milepost.tasks.block_summary import human_time
 
-        executor = self._executor(recipe, store)
-        submitted_at = time.time()
-        job = executor.submit(stage_command(url, block, self.stage), name=f"mp-{self.stage}-b{block}")
+        submitted = driver.submit(block, parse_stage(self.stage))
+        job = submitted.job
         self.log.info("block %d %s: submitted %s job %s at %s; the stage's own output (steps, rewards, "
-                      "accuracy, errors) goes to %s", block, self.stage, executor.name, job.job_id,
-                      human_time(submitted_at), job.stderr_path)
-        self.defer(trigger=StageJobTrigger(url, block, self.stage, executor.name, job.job_id, submitted_at,
-                                           pid_created_at=_created_at(job.job_id) if executor.name == "local"
+                      "accuracy, errors) goes to %s", block, self.stage, submitted.executor, job.job_id,
+                      human_time(submitted.submitted_at), job.stderr_path)
+        self.defer(trigger=StageJobTrigger(url, block, self.stage, submitted.executor, job.job_id,
+                                           submitted.submitted_at,
+                                           pid_created_at=_created_at(job.job_id) if submitted.executor == "local"
                                            else None, poll_interval_s=self.poll_interval_s,
                                            lease_owner=None if self.stage == Stage.TEARDOWN else owner,
                                            stderr_path=str(job.stderr_path)),
                    method_name="execute_complete")
         return None  # not reached: defer() raises
 
-    @staticmethod
-    def _executor(recipe: Any, store: Any) -> Any:
-        """Like tasks.block.build_executor, but a local stage must outlive this task process
-        (it exits when the task defers): under a scheduler no driver pid is passed to the
-        stage; embedded, the stage dies with `milepost run` (as under BlockRunner)."""
-        from pathlib import Path
-
-        if embedded() and recipe.cluster.executor == "local":
-            os.environ[DRIVER_PID_ENV] = os.environ[EMBEDDED_DRIVER_PID_ENV]
-        else:
-            os.environ.pop(DRIVER_PID_ENV, None)
-        root = Path(store.local_path("jobs"))
-        if recipe.cluster.executor == "slurm":
-            from milepost.slurm.slurm_executor import SlurmExecutor
-            return SlurmExecutor(root, recipe.cluster.slurm.model_copy(update={"nodes": 1}))
-        from milepost.slurm.local import LocalExecutor
-        return LocalExecutor(root)
-
     def execute_complete(self, context: Any, event: dict[str, Any], stderr_path: str = "") -> dict[str, Any]:
         stderr_path = event.get("stderr_path") or stderr_path
+        driver, block = self._driver(event["campaign_url"]), int(event["block"])
         _log_tail(self.log, stderr_path)
         if event.get("status") != "done":
-            self._raise_failure(context, event, stderr_path)
-        self.log.info("block %s %s: %s (stage log: %s)", event["block"], event["stage"], event.get("detail"),
-                      stderr_path)
+            self._raise_failure(context, driver, event, stderr_path)
+        self.log.info("block %s %s: %s (stage log: %s)", block, event["stage"], event.get("detail"), stderr_path)
         if event.get("submitted_at") is not None:
             from milepost.dags.triggers import epoch_of
 
-            _record_timing(event, epoch_of(event["submitted_at"]), stderr_path)
+            driver.record_timing(block, event["stage"], event.get("job_id"), epoch_of(event["submitted_at"]),
+                                 stderr_path, event.get("executor"))
         if self.stage == Stage.EVALUATE:
-            from milepost.core.store import CampaignStore
-
-            store = CampaignStore(event["campaign_url"])
-            self._finish_evaluate(store, store.load_recipe(), int(event["block"]))
+            self._finish_evaluate(driver, block)
         if self.stage == Stage.TEARDOWN and not embedded():
-            from milepost.core.store import CampaignStore
             from milepost.tasks import lease
 
             # The run is over once the allocation is released: the next block's run takes the lease.
-            lease.release(CampaignStore(event["campaign_url"]), lease_owner(context))
+            lease.release(driver.store, lease_owner(context))
         return {key: event[key] for key in ("campaign_url", "block", "stage", "job_id")}
 
-    def _already_done(self, store: Any, block: int, record: StageRecord | None, block_done: bool) -> None:
+    def _already_done(self, driver: BlockDriver, block: int, record: StageRecord | None, block_done: bool) -> None:
         """Say what the earlier try did, in words and local times, and make sure timings.json
         has it (the first try may have ended before it could write it)."""
         from milepost.tasks.block_summary import human_duration, human_time
@@ -227,9 +202,7 @@ class StageOperator(BaseOperator):
             self.log.info("block %d %s: the block is done; keeping the recorded outputs", block, self.stage)
             return
         started, finished = float(record.started_at or 0.0), float(record.finished_at or 0.0)
-        timing = _stage_timing(store, block, self.stage)
-        if timing is None:
-            timing = _record_timing_from_record(store, block, self.stage, record)
+        timing = driver.timing_of_done_stage(block, parse_stage(self.stage), record)
         job = f"Slurm job {record.slurm_job_id}" if record.slurm_job_id else f"pid {record.pid}"
         log_path = timing.get("log") or record.log
         self.log.info("block %d %s: already done by an earlier try: ran %s → %s (%s) as %s; its log: %s. "
@@ -239,33 +212,26 @@ class StageOperator(BaseOperator):
         if log_path:
             _log_tail(self.log, log_path)
 
-    def _finish_evaluate(self, store: Any, recipe: Any, block: int) -> None:
-        """The regression gate's verdict (idempotent: `progress` acts on the same one), the
-        block's report, and its summary table at the end of this task's log."""
-        from milepost.tasks.block_summary import format_summary, write_block_report
-        from milepost.tasks.progression import after_evaluate
+    def _finish_evaluate(self, driver: BlockDriver, block: int) -> None:
+        """The regression gate's verdict, the block's report, and its summary table at the end
+        of this task's log."""
+        decision, table = driver.finish_evaluate(block)
+        self.log.info("block %d: %s\n%s", block, decision.message, table)
 
-        decision = after_evaluate(store, recipe, block)
-        summary = write_block_report(store, block)
-        self.log.info("block %d: %s\n%s", block, decision.message, format_summary(summary))
-
-    def _raise_failure(self, context: Any, event: dict[str, Any], stderr_path: str) -> None:
+    def _raise_failure(self, context: Any, driver: BlockDriver, event: dict[str, Any], stderr_path: str) -> None:
         """The stage's root error first (from its record), then the job's state and its log.
         A user error (recorded `error_kind: user`) fails the task for good: no retry fixes it."""
         from airflow.sdk.exceptions import AirflowFailException
-        from milepost.core.store import CampaignStore
-        from milepost.tasks.failures import is_user_error, stage_failure
 
-        record = CampaignStore(event["campaign_url"]).stage_record(int(event["block"]), event["stage"])
-        failure = stage_failure(record, event.get("detail", ""), stderr_path)
-        message = f"block {event.get('block')} stage {self.stage} failed: {failure}"
-        self.log.error("%s", message)
+        failure = driver.failure(int(event["block"]), self.stage, event.get("detail", ""), stderr_path)
+        self.log.error("%s", failure)
+        record = driver.store.stage_record(int(event["block"]), self.stage)
         failed = record is not None and record.state is StageState.FAILED
         push_failure(context, self.stage, (record.error if failed else None) or event.get("detail", ""),
-                     "user" if is_user_error(record) else "runtime", (record.log if record else None) or stderr_path)
-        if is_user_error(record):
-            raise AirflowFailException(f"{message}\nThis is an input error, not retried: fix it and run again.")
-        raise StageFailedError(message)
+                     "user" if failure.user_error else "runtime", (record.log if record else None) or stderr_path)
+        if failure.user_error:
+            raise AirflowFailException(f"{failure}\nThis is an input error, not retried: fix it and run again.")
+        raise StageFailedError(str(failure))
 
 
 def push_failure(context: Any, stage: str, error: str, error_kind: str, log_path: str | None) -> None:
@@ -287,41 +253,6 @@ def _log_tail(log: Any, path: str, num_lines: int = 15) -> None:
         return
     if lines:
         log.info("last lines of the stage's log %s:\n%s", path, "\n".join(f"  | {line}" for line in lines))
-
-
-def _stage_timing(store: Any, block: int, stage: str) -> dict[str, Any] | None:
-    rel = block_path(block, TIMINGS_DOC)
-    return (store.read_json(rel) if store.exists(rel) else {}).get("stages", {}).get(stage)
-
-
-def _record_timing_from_record(store: Any, block: int, stage: str, record: StageRecord) -> dict[str, Any]:
-    """timings.json's entry of a stage whose try ended before writing it: its record's times
-    (the submission time is not known any more: its start stands in)."""
-    rel = block_path(block, TIMINGS_DOC)
-    timings = store.read_json(rel) if store.exists(rel) else {"executor": None, "stages": {}}
-    entry = {"job_id": record.slurm_job_id or record.pid, "submitted_at": record.started_at or 0.0,
-             "started_at": record.started_at or 0.0, "finished_at": record.finished_at or 0.0,
-             "returned_at": time.time(), "log": record.log, "from_record": True}
-    timings["stages"][stage] = entry
-    store.write_json(rel, timings)
-    return entry
-
-
-def _record_timing(event: dict[str, Any], submitted_at: float, log_path: str = "") -> None:
-    """blocks/N/timings.json, as BlockRunner writes it: per stage, when it was submitted, ran
-    and was seen done (the orchestration overhead is what lies between)."""
-    from milepost.core.store import CampaignStore
-
-    store = CampaignStore(event["campaign_url"])
-    block, stage = int(event["block"]), parse_stage(event["stage"])  # an older trigger's event: an old name
-    record = store.stage_record(block, stage)
-    rel = block_path(block, TIMINGS_DOC)
-    timings = store.read_json(rel) if store.exists(rel) else {"executor": event.get("executor"), "stages": {}}
-    timings["stages"][stage.value] = {"job_id": event.get("job_id"), "submitted_at": submitted_at,
-                                      "started_at": (record and record.started_at) or 0.0,
-                                      "finished_at": (record and record.finished_at) or 0.0,
-                                      "returned_at": time.time(), "log": log_path or None}
-    store.write_json(rel, timings)
 
 
 def _created_at(pid: str) -> float | None:

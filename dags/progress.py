@@ -2,9 +2,9 @@
 start the next block (the DAG triggers its own next run; `max_active_runs=1` queues it until
 this run's teardown is done), until `campaign.num_blocks`, a stop request or a regression.
 
-The decision itself is `milepost.tasks.progression.after_evaluate` (imported at run time),
-shared with the embedded driver of `milepost run`, which runs its blocks one `dag.test()`
-after the other instead of triggering runs.
+The decision and the report are the block driver's (tasks/block_driver.finish_evaluate,
+imported at run time), shared with the embedded runner of `milepost run`, which runs its
+blocks one `dag.test()` after the other instead of triggering runs.
 
 Its log ends with the block's summary table (`tasks.block_summary`), and the same table
 becomes the DAG run's note (dags/run_note.py), which the Airflow UI shows on the run: steps,
@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from airflow.sdk import BaseOperator
-from milepost.core.records import block_label, block_path
+from milepost.core.records import block_label
 from milepost.dags.operators import embedded
 
 
@@ -47,17 +47,13 @@ class ProgressOperator(BaseOperator):
 
     def execute(self, context: Any) -> dict[str, Any]:
         from milepost.core.store import CampaignStore
-        from milepost.tasks.block_summary import SUMMARY_MD, format_summary, read_block_summary, write_block_report
-        from milepost.tasks.progression import after_evaluate, as_dict
+        from milepost.tasks.block_driver import BlockDriver
+        from milepost.tasks.progression import as_dict
 
         params = context["params"]
         url, block = str(params["campaign_url"]), int(params["block"])
-        store = CampaignStore(url)
-        recipe = store.load_recipe()
-        decision = after_evaluate(store, recipe, block)
-        exists = store.exists(block_path(block, SUMMARY_MD))
-        summary = read_block_summary(store, block) if exists else write_block_report(store, block)
-        table = format_summary(summary)
+        # evaluate wrote the block's report; a cleared evaluate task may not have
+        decision, table = BlockDriver(CampaignStore(url)).finish_evaluate(block, rewrite=False)
         publish_note(context, table, self.log)
         self.log.info("block %d: %s (%s)\n%s", block, decision.action, decision.message, table)
         if decision.action == "next" and not embedded():

@@ -16,7 +16,7 @@ Where the API is and who the task is, in this order:
 
 A note is a convenience: when it cannot be set, the task logs why and what to configure,
 and the block goes on. Under `dag.test()` (embedded `milepost run`) there is no API server;
-the driver sets the note in the run's database itself (tasks/airflow_local.set_note_in_db).
+the driver sets the note in the run's database itself (dags/embedded.set_note_in_db).
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ def _free_port() -> int:
 
 
 def standalone_env(home: Path, port: int, parallelism: int, no_auth: bool = False) -> dict[str, str]:
-    from milepost.tasks.airflow_local import airflow_env
+    from milepost.dags.airflow_home import airflow_env
 
     extra = {
         "AIRFLOW__API__HOST": "127.0.0.1", "AIRFLOW__API__PORT": str(port),

@@ -64,7 +64,8 @@ def _bad_input(error: BaseException) -> int:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from milepost.core.recipe_io import load_recipe
-    from milepost.tasks.campaign import prepare_campaign, run_campaign
+    from milepost.run_cmd import run_campaign
+    from milepost.tasks.campaign import prepare_campaign
 
     if args.campaign is not None and not args.campaign.strip():
         return _bad_input("--campaign is empty; pass a folder or store URL, or leave the flag out "

@@ -23,17 +23,16 @@ class StageContext:
     recipe: Recipe
     store: CampaignStore
     checkpoints: CheckpointManager
-    show_progress: bool = False
     # The Ray auth variables as they were before `connect` set the campaign's (restored on
     # `disconnect`).
     _auth_before: dict[str, str | None] | None = field(default=None, repr=False)
 
     @classmethod
-    def open(cls, url: str, block: int, show_progress: bool = False) -> "StageContext":
+    def open(cls, url: str, block: int) -> "StageContext":
         store = CampaignStore(url)
         recipe = store.load_recipe()
         checkpoints = CheckpointManager(store.local_path("checkpoints"), recipe.checkpoint.keep_last)
-        return cls(campaign_id(url), block, recipe, store, checkpoints, show_progress)
+        return cls(campaign_id(url), block, recipe, store, checkpoints)
 
     # --- records --------------------------------------------------------------------------
     def record(self, stage: Stage) -> StageRecord | None:

@@ -28,7 +28,6 @@ from milepost.core.weight_sync import build_transport
 from milepost.core.weight_sync.lora_push import LoraTransport
 from milepost.tasks.block_summary import step_line
 from milepost.tasks.context import StageContext
-from tqdm import tqdm
 
 log = logging.getLogger(__name__)
 
@@ -98,18 +97,13 @@ def _train(ctx: StageContext, fleet: Any, tokenizer: Any, start_path: str) -> di
         if sinks.sinks:
             sinks.publish(state.metrics + eval_rows(store, recipe.campaign.steps_per_block))
         first_done: list[float] = []
-        bar = tqdm(total=recipe.campaign.steps_per_block, initial=max(0, state.step - block_first + 1),
-                   desc=f"block {block}", disable=not ctx.show_progress)
 
         def on_metrics(row: dict[str, Any]) -> None:
             if not first_done:  # for bench/results/slurm_overhead.txt: submission → first step
                 first_done.append(time.time())
                 ctx.update(Stage.RUN_STEPS, first_step_done_at=first_done[0])
             store.write_metrics(block, [m for m in loop.state.metrics if m["step"] >= block_first])
-            bar.update(1)
-            bar.set_postfix(reward=f"{row['rollout/reward_mean']:.3f}")
-            if not ctx.show_progress:  # a stage job: one line per step in its log instead of a bar
-                log.info("block %d %s", block, step_line(row))
+            log.info("block %d %s", block, step_line(row))  # the stage job's log: one line per step
 
         def on_commit(step: int) -> None:
             sinks.publish([m for m in loop.state.metrics if m["step"] <= step])
@@ -132,7 +126,6 @@ def _train(ctx: StageContext, fleet: Any, tokenizer: Any, start_path: str) -> di
                       filters=extensions.filters, hooks=extensions.hooks, routed_experts=moe)
         _serve_checkpoint(fleet, transport, _served_policy(ctx, backend, start_path), state.policy_version, backend)
         loop.run_until(last_step)
-        bar.close()
         fleet.raise_if_failed()
         extensions.hooks.block_end(BlockInfo(block, block_first, last_step, loop.state.model_sha256),
                                    loop.context(last_step))

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import psutil
 
-from milepost.core.records import DRIVER_PID_ENV, Stage, StageRecord, StageState, parse_stage
+from milepost.core.records import Stage, StageRecord, StageState, parse_stage
 from milepost.core.store import CampaignStore
 from milepost.tasks.context import StageContext
 from milepost.tasks.ray_auth import campaign_ray_auth
@@ -54,16 +54,16 @@ def _stage_fn(stage: Stage) -> Callable[[StageContext], dict[str, Any]]:
             Stage.EVALUATE: fleet_stages.evaluate}[stage]
 
 
-def _die_with_driver() -> None:
-    """On the local executor, a stage must not outlive the `milepost run` that started it
-    (a SIGKILLed driver runs no clean-up, and its rerun would race the orphan). The driver's
-    pid comes in the environment; a daemon thread exits this process once it is gone."""
-    pid = int(os.environ.get(DRIVER_PID_ENV, "0") or 0)
-    if not pid:
+def die_with(driver_pid: int | None) -> None:
+    """A local stage job must not outlive the `milepost run` (or other driver) that started
+    it: a SIGKILLed driver runs no clean-up, and its rerun would race the orphan. Its pid
+    comes on the command line (`--driver-pid`); a daemon thread exits this process once it
+    is gone."""
+    if not driver_pid:
         return
 
     def watch() -> None:
-        while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        while psutil.pid_exists(driver_pid) and psutil.Process(driver_pid).status() != psutil.STATUS_ZOMBIE:
             time.sleep(0.2)
         os._exit(137)
 
@@ -78,11 +78,10 @@ def running_record() -> StageRecord:
                        host=socket.gethostname(), slurm_job_id=os.environ.get("SLURM_JOB_ID"), log=own_log_path())
 
 
-def run_stage(campaign_url: str, block: int, stage: Stage | str, show_progress: bool = False) -> StageRecord:
+def run_stage(campaign_url: str, block: int, stage: Stage | str) -> StageRecord:
     """Run one stage of one block (idempotent); returns its record."""
     stage = parse_stage(stage)
-    _die_with_driver()
-    ctx = StageContext.open(campaign_url, block, show_progress=show_progress)
+    ctx = StageContext.open(campaign_url, block)
     with campaign_ray_auth(ctx.store):  # the head this stage starts, or the one it joins
         return _run_stage_in(ctx, block, stage)
 
@@ -155,7 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block", type=int, required=True)
     parser.add_argument("--stage", required=True, type=_stage_arg, metavar="|".join(Stage),
                         help="the stage (names from before the rename are read as the new ones)")
+    parser.add_argument("--driver-pid", type=int, default=None,
+                        help="exit once this process is gone (a local stage job of `milepost run`)")
     args = parser.parse_args(argv)
+    die_with(args.driver_pid)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # The job's log is what a user reads: one line per engine request would bury the steps.
     logging.getLogger("httpx").setLevel(logging.WARNING)

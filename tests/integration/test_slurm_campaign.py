@@ -161,18 +161,18 @@ def _allocation_pids(job_id: str) -> list[int]:
 
 def test_cancelling_the_allocation_stops_its_block_and_nothing_else(dev_cluster, tmp_path):
     from milepost.core.recipe_io import load_recipe
-    from milepost.tasks.block import BlockRunner
+    from milepost.tasks.block_driver import BlockDriver
     from milepost.tasks.campaign import prepare_campaign
     from milepost.tasks.stage import run_stage
 
     os.environ["MILEPOST_CACHE"] = str(tmp_path / "cache")
     mine = prepare_campaign(load_recipe(ROOT / "recipes/tiny-arith.yaml", OVERRIDES + SLURM), str(tmp_path / "a"))
     prepare_campaign(load_recipe(ROOT / "recipes/tiny-arith.yaml", OVERRIDES), str(tmp_path / "b"))
-    runner = BlockRunner(mine.recipe, mine.store, show_progress=False)
+    driver = BlockDriver(mine.store, mine.recipe)
     run_stage(str(tmp_path / "b"), 0, "start_ray")  # another campaign's Ray cluster on this machine
     try:
-        runner._run(0, Stage.START_RAY)
-        runner._run(0, Stage.START_ENGINES)
+        driver.run_stage(0, Stage.START_RAY)
+        driver.run_stage(0, Stage.START_ENGINES)
         launch, fleet = _record(tmp_path / "a", "start_ray"), json.loads((tmp_path / "a/blocks/000000/fleet.json").read_text())
         ray_pids = _allocation_pids(launch["job_id"])
         fleet_pids = [e["pid"] for e in fleet["engines"]] + [fleet["router"]["pid"]]
@@ -187,7 +187,7 @@ def test_cancelling_the_allocation_stops_its_block_and_nothing_else(dev_cluster,
             time.sleep(0.5)
         assert _alive(other_tree) == other_tree, "another campaign's Ray processes were touched"
     finally:
-        runner.teardown(0)
+        driver.teardown(0)
         run_stage(str(tmp_path / "b"), 0, "teardown")
     assert not _alive(other_tree)
 
