@@ -195,7 +195,10 @@ def parse_variant(text: str) -> dict[str, Any]:
     return {"fuse": kv.get("fuse", "1") == "1", "mb": int(kv.get("mb", 4)), "pack": int(kv.get("pack", 0))}
 
 
-def megatron_worker(path: str, variant: dict[str, Any]) -> Any:
+def megatron_worker(path: str, variant: dict[str, Any], precision: str | None = None, algo: Any = None,
+                    lr: float = 1e-6, fp8_recipe: Any = None) -> Any:
+    """A world-size-1 MegatronRankWorker in this process, set up. `precision` None: bf16 on a GPU,
+    fp32 on CPU; `algo` None: AlgoConfig(); `fp8_recipe` for precision fp8 (bench/fp8_training.py)."""
     if "ray" not in sys.modules:
         try:
             import ray  # noqa: F401
@@ -203,12 +206,13 @@ def megatron_worker(path: str, variant: dict[str, Any]) -> Any:
             sys.modules["ray"] = types.ModuleType("ray")
     from milepost.core.config import AlgoConfig, TrainConfig
     from milepost.core.train.megatron.worker import MegatronRankWorker
-    precision = "bf16" if DEVICE == "cuda" else "fp32"  # megatron's bf16 optimizer needs CUDA
-    cfg = TrainConfig(backend="megatron", num_ranks=1, micro_batch_size=variant["mb"], lr=1e-6,
+    if precision is None:
+        precision = "bf16" if DEVICE == "cuda" else "fp32"  # megatron's bf16 optimizer needs CUDA
+    cfg = TrainConfig(backend="megatron", num_ranks=1, micro_batch_size=variant["mb"], lr=lr,
                       megatron={"pack_sequences": variant["pack"] > 0, "micro_batch_tokens": max(1, variant["pack"]),
                                 "fuse": variant["fuse"]})
-    w = MegatronRankWorker(0, 1, path, cfg, AlgoConfig(), temperature=1.0, seed=0, total_steps=None,
-                           precision=precision)
+    w = MegatronRankWorker(0, 1, path, cfg, algo or AlgoConfig(), temperature=1.0, seed=0, total_steps=None,
+                           precision=precision, fp8_recipe=fp8_recipe)
     w.setup(w.free_port())
     return w
 

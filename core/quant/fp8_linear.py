@@ -27,6 +27,7 @@ megatron's optimizer on GPU; fp32 parameters on CPU); gradients come back in its
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -43,10 +44,19 @@ GEMM_OUT = torch.bfloat16  # rowwise _scaled_mm on CUDA outputs bf16 only
 @dataclass(frozen=True)
 class Fp8Recipe:
     """How the FP8 linear scales. `wgrad_fp8=False` keeps the weight-gradient GEMM in bf16
-    (torchao's `rowwise_with_gw_hp`: its reduction runs over all tokens of the micro-batch)."""
+    (torchao's `rowwise_with_gw_hp`: its reduction runs over all tokens of the micro-batch).
+    `compile_casts`: on CUDA, each cast (`quantize`) is one torch.compile'd function: eager it is
+    ~6 memory-bound passes over the tensor (abs, amax, float, mul, clamp, cast), which at the
+    Qwen3-1.7B shape would cost about as much as fp8 saves in the GEMMs; compiled, two (the amax
+    reduction, then scale + cast). Same arithmetic (a unit test checks bit equality on CPU); on
+    CPU the casts stay eager (compile time would dominate the tests). `fast_accum`: the forward
+    GEMM's `use_fast_accum` (CUDA: faster, less exact accumulation; torchao uses it in forward
+    only), never in the gradient GEMMs."""
 
     scaling: Literal["rowwise", "tensorwise"] = "rowwise"
     wgrad_fp8: bool = True
+    compile_casts: bool = True
+    fast_accum: bool = False
 
     @property
     def grad_dtype(self) -> torch.dtype:
@@ -55,7 +65,8 @@ class Fp8Recipe:
     def describe(self) -> str:
         grad = "e4m3" if self.grad_dtype == E4M3 else "e5m2"
         return (f"{self.scaling} scales, e4m3 activations/weights, {grad} gradients, "
-                f"wgrad in {'fp8' if self.wgrad_fp8 else 'bf16'}")
+                f"wgrad in {'fp8' if self.wgrad_fp8 else 'bf16'}"
+                + (", casts eager" if not self.compile_casts else "") + (", fast accum" if self.fast_accum else ""))
 
 
 def fp8_shape_problem(out_features: int, in_features: int) -> str | None:
@@ -74,13 +85,28 @@ def quantize(x: Tensor, dtype: torch.dtype, dim: int | None) -> tuple[Tensor, Te
     return q, amax / fmax
 
 
+@functools.cache
+def _compiled_quantize(dtype: torch.dtype, dim: int | None) -> Any:
+    """`quantize(·, dtype, dim)` compiled (one cache per combination: no recompiles between them)."""
+    def quantize_one(x: Tensor) -> tuple[Tensor, Tensor]:
+        return quantize(x, dtype, dim)
+    return torch.compile(quantize_one, dynamic=True)
+
+
+def cast(x: Tensor, dtype: torch.dtype, dim: int | None, recipe: Fp8Recipe) -> tuple[Tensor, Tensor]:
+    """`quantize`, compiled on CUDA when `recipe.compile_casts` (Fp8Recipe)."""
+    if recipe.compile_casts and x.is_cuda:
+        return _compiled_quantize(dtype, dim)(x)
+    return quantize(x, dtype, dim)
+
+
 def _pad_rows(x: Tensor) -> Tensor:
     """x: [M, C] -> [ceil(M / 16) * 16, C], zero rows appended."""
     extra = -x.shape[0] % ALIGN
     return F.pad(x, (0, 0, 0, extra)) if extra else x
 
 
-def _mm(a: Tensor, sa: Tensor, b_t: Tensor, sb_t: Tensor) -> Tensor:
+def _mm(a: Tensor, sa: Tensor, b_t: Tensor, sb_t: Tensor, fast_accum: bool = False) -> Tensor:
     """a: fp8 [M, K] (row-major), sa: [M, 1] or []; b_t: fp8 [N, K] (row-major), sb_t: [N, 1]
     or [] -> bf16 [M, N] = (a * sa) @ (b_t * sb_t).T. `b_t.t()` is the column-major mat2
     `_scaled_mm` wants, and its scale the transposed [1, N]. Scales are rebuilt with unit
@@ -88,26 +114,26 @@ def _mm(a: Tensor, sa: Tensor, b_t: Tensor, sb_t: Tensor) -> Tensor:
     keeps a stride of N along its size-1 dim that `.contiguous()` does not change."""
     if sa.dim():
         sa, sb_t = sa.reshape(-1)[:, None], sb_t.reshape(-1)[None, :]
-    return torch._scaled_mm(a, b_t.t(), scale_a=sa, scale_b=sb_t, out_dtype=GEMM_OUT)
+    return torch._scaled_mm(a, b_t.t(), scale_a=sa, scale_b=sb_t, out_dtype=GEMM_OUT, use_fast_accum=fast_accum)
 
 
 def forward_gemm(x: Tensor, w: Tensor, recipe: Fp8Recipe) -> tuple[Tensor, tuple[Tensor, ...]]:
     """x: [M, K] (M a multiple of 16), w: [N, K] -> (y bf16 [M, N], what backward needs:
     (x, w) for rowwise, their fp8 casts and scales for tensorwise)."""
     dim = 1 if recipe.scaling == "rowwise" else None
-    xq, xs = quantize(x, E4M3, dim)
-    wq, ws = quantize(w, E4M3, dim)
-    y = _mm(xq, xs, wq, ws)
+    xq, xs = cast(x, E4M3, dim, recipe)
+    wq, ws = cast(w, E4M3, dim, recipe)
+    y = _mm(xq, xs, wq, ws, recipe.fast_accum)
     return y, ((x, w) if recipe.scaling == "rowwise" else (xq, xs, wq, ws))
 
 
 def dgrad_gemm(g: Tensor, saved: tuple[Tensor, ...], recipe: Fp8Recipe) -> Tensor:
     """g: [M, N] gradient of y -> bf16 [M, K] = g @ w."""
     if recipe.scaling == "rowwise":
-        gq, gs = quantize(g, recipe.grad_dtype, 1)  # per token
-        wq, ws = quantize(saved[1], E4M3, 0)  # per input feature: the output columns of g @ w
+        gq, gs = cast(g, recipe.grad_dtype, 1, recipe)  # per token
+        wq, ws = cast(saved[1], E4M3, 0, recipe)  # per input feature: the output columns of g @ w
         return _mm(gq, gs, wq.t().contiguous(), ws.t())
-    gq, gs = quantize(g, recipe.grad_dtype, None)
+    gq, gs = cast(g, recipe.grad_dtype, None, recipe)
     _, _, wq, ws = saved
     return _mm(gq, gs, wq.t().contiguous(), ws)
 
@@ -116,11 +142,11 @@ def wgrad_gemm(g: Tensor, saved: tuple[Tensor, ...], recipe: Fp8Recipe) -> Tenso
     """g: [M, N] -> bf16 [N, K] = g.T @ x, reduced over the M tokens."""
     if recipe.scaling == "rowwise":
         x = saved[0]
-        gq, gs = quantize(g, recipe.grad_dtype, 0)  # per output feature, over the tokens
-        xq, xs = quantize(x, E4M3, 0)  # per input feature, over the tokens
+        gq, gs = cast(g, recipe.grad_dtype, 0, recipe)  # per output feature, over the tokens
+        xq, xs = cast(x, E4M3, 0, recipe)  # per input feature, over the tokens
         return _mm(gq.t().contiguous(), gs.t(), xq.t().contiguous(), xs.t())
     xq, xs, _, _ = saved
-    gq, gs = quantize(g, recipe.grad_dtype, None)
+    gq, gs = cast(g, recipe.grad_dtype, None, recipe)
     return _mm(gq.t().contiguous(), gs, xq.t().contiguous(), xs)
 
 

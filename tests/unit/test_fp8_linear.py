@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from milepost.core.quant.fp8_linear import (
     ALIGN,
     E4M3,
     E5M2,
     Fp8Recipe,
+    _compiled_quantize,
     fp8_linear,
     fp8_shape_problem,
     quantize,
@@ -90,7 +92,10 @@ def test_typical_relative_errors_are_a_few_percent_and_e4m3_gradients_beat_e5m2(
     # gradients in e5m2 (2 mantissa bits) cost ~1.6x e4m3's
     x, w, b, grad = _inputs(m=256, k=128, n=96, seed=1)
     yr, gxr, gwr, _ = _reference(x, w, b, grad)
-    rel = lambda a, r: float((a.detach().double() - r).norm() / r.norm())
+
+    def rel(a: torch.Tensor, r: torch.Tensor) -> float:
+        return float((a.detach().double() - r).norm() / r.norm())
+
     errs = {}
     for recipe in RECIPES[:2]:
         xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -132,8 +137,9 @@ def test_token_counts_that_are_not_multiples_of_16_are_padded_and_give_the_unpad
         assert torch.equal(fp8_linear(x[:, :m], w, b), full[:, :m])
 
 
-@pytest.mark.parametrize("shape,problem", [((48, 64), None), ((40, 64), "out_features 40"),
-                                           ((48, 60), "in_features 60"), ((33, 70), "out_features 33 and in_features 70")])
+@pytest.mark.parametrize("shape,problem", [
+    ((48, 64), None), ((40, 64), "out_features 40"), ((48, 60), "in_features 60"),
+    ((33, 70), "out_features 33 and in_features 70")])
 def test_shape_problem_names_each_feature_dim_that_is_not_a_multiple_of_16(shape, problem) -> None:
     got = fp8_shape_problem(*shape)
     assert got == (None if problem is None else f"{problem} not a multiple of {ALIGN} (torch._scaled_mm)")
@@ -168,3 +174,13 @@ def test_a_frozen_weight_gets_no_gradient_and_the_input_still_does() -> None:
     xg = x.clone().requires_grad_()
     fp8_linear(xg, w, None).backward(grad)
     assert xg.grad is not None and w.grad is None
+
+
+def test_the_compiled_casts_the_gpu_uses_equal_the_eager_ones_bit_for_bit() -> None:
+    # Fp8Recipe.compile_casts compiles `quantize` on CUDA; compiled here on CPU (inductor) to
+    # check the arithmetic is unchanged, on a token count that is not a multiple of anything
+    x = torch.randn(77, 48, dtype=torch.bfloat16) * 5
+    for dtype, dim in ((E4M3, 1), (E5M2, None)):
+        q, s = _compiled_quantize(dtype, dim)(x)
+        q0, s0 = quantize(x, dtype, dim)
+        assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0)

@@ -1,0 +1,168 @@
+"""FP8 vs bf16 megatron training, side by side in one run (issue 21, "What it must show" 2):
+step throughput on the Qwen3-1.7B shape and the loss curves of the same batches.
+
+Each mode builds a world-size-1 MegatronRankWorker in this process (bench/megatron_mfu.py's
+model, samples and worker; variant `--variant`, default fuse=1,mb=8, the 0.74 s bf16 step of
+bench/results/megatron_mfu.txt) and trains `--steps` optimizer steps on `--batches` fixed
+batches, cycled, timing each step (synced):
+- bf16: megatron's bf16 training (bf16 parameters, fp32 master weights and Adam state);
+- fp8[recipe]: the same with the transformer linears' GEMMs through torch._scaled_mm
+  (core/train/megatron/fp8.py; recipes: core/quant/fp8_linear.py `Fp8Recipe`).
+Loss curve: every advantage +1, TIS off, engine logprobs 0, so each step maximises the
+responses' likelihood and `train/engine_logprob_absdiff_sum / loss tokens` is the batch's NLL
+before the step's update (as tests/integration/test_megatron_fp8.py). Reported: s/step (mean
+after `--warmup` steps), tokens/s, fp8 / bf16 throughput ratio (target >= 1.15 on the GPU), the
+max relative gap of the NLL curves (target <= 2 %), peak memory, and a synced split of one
+more step (forward-backward / optimizer / rest).
+
+On CPU (`--shape tiny`) the same code runs with torch._scaled_mm emulated: a check that the
+bench works, not a speed measurement (fp8 is slower there). Writes `--out` (.txt, rewritten
+after every line) and the same name with .json.
+
+Usage (GPU): python bench/fp8_training.py --out bench/results/fp8_training.txt
+       (CPU): python bench/fp8_training.py --shape tiny --samples 8 --prompt-len 24 --response-len 40 \
+                  --steps 12 --warmup 2 --out bench/results/fp8_training_cpu.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import megatron_mfu as mfu  # bench/ on the path first
+import torch
+
+RECIPES = {"rowwise": dict(scaling="rowwise"), "tensorwise": dict(scaling="tensorwise"),
+           "rowwise-gw-bf16": dict(scaling="rowwise", wgrad_fp8=False),
+           "rowwise-fast": dict(scaling="rowwise", fast_accum=True),
+           "rowwise-eager-casts": dict(scaling="rowwise", compile_casts=False)}
+TARGET_SPEEDUP, TARGET_GAP = 1.15, 0.02
+
+
+def nll_batches(count: int, args: argparse.Namespace, vocab: int) -> list[list[Any]]:
+    """`count` fixed batches whose loss is the responses' NLL (module doc)."""
+    batches = []
+    for b in range(count):
+        samples = mfu.make_samples(args.samples, args.prompt_len, args.response_len, vocab, seed=100 + b)
+        for s in samples:
+            s.engine_logprobs, s.advantage = [0.0] * len(s.response_ids), 1.0
+        batches.append(samples)
+    return batches
+
+
+def run_mode(folder: str, name: str, batches: list[list[Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """Train `args.steps` steps in mode `name` ('bf16' or 'fp8[recipe]'): step times, NLL curve,
+    peak memory, one synced phase split, and how many linears ran in fp8."""
+    from milepost.core.config import AlgoConfig
+    from milepost.core.quant.fp8_linear import Fp8Recipe
+    recipe = Fp8Recipe(**RECIPES[name[4:-1]]) if name.startswith("fp8[") else None
+    mfu.reset_peak()
+    worker = mfu.megatron_worker(folder, mfu.parse_variant(args.variant), precision="fp8" if recipe else "bf16",
+                                 algo=AlgoConfig(tis_cap=None), lr=args.lr, fp8_recipe=recipe)
+    try:
+        fp8_layers = sum(type(m).__name__.startswith("Fp8") for c in worker.model for m in c.modules())
+        times, nll = [], []
+        for i in range(args.steps):
+            batch = batches[i % len(batches)]
+            tokens = float(sum(sum(s.loss_mask) for s in batch))
+            mfu.sync()
+            t0 = time.perf_counter()
+            out = worker.train(batch, tokens)
+            mfu.sync()
+            times.append(time.perf_counter() - t0)
+            nll.append(out["metrics"]["train/engine_logprob_absdiff_sum"] / tokens)
+        phases = mfu.phase_times(worker, lambda: worker.train(batches[0], float(sum(sum(s.loss_mask)
+                                                                                   for s in batches[0]))))
+        timed = times[args.warmup:] or times
+        return {"recipe": asdict(recipe) if recipe else None, "fp8_linear_layers": fp8_layers,
+                "s_per_step": sum(timed) / len(timed), "step_times": times, "nll": nll,
+                "peak_gib": mfu.peak_gib(), "phases": phases}
+    finally:
+        worker.shutdown()
+        mfu.empty_cache()
+
+
+def max_rel_gap(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def report(results: dict[str, dict[str, Any]], tokens: int, out: list[str]) -> dict[str, dict[str, float]]:
+    """Table lines and the fp8 / bf16 ratios."""
+    mfu.log(out, f"{'mode':<24} {'s/step':>7} {'tok/s':>8} {'vs bf16':>8} {'max NLL gap':>12} {'peak GiB':>9} "
+                 f"{'fp8 linears':>11}  NLL first -> last")
+    ratios: dict[str, dict[str, float]] = {}
+    base = results.get("bf16")
+    for name, r in results.items():
+        speed = base["s_per_step"] / r["s_per_step"] if base else float("nan")
+        gap = max_rel_gap(r["nll"], base["nll"]) if base else float("nan")
+        if name != "bf16":
+            ratios[name] = {"throughput_vs_bf16": speed, "max_rel_nll_gap": gap}
+        mfu.log(out, f"{name:<24} {r['s_per_step']:7.3f} {tokens / r['s_per_step']:8.0f} {speed:7.3f}x "
+                     f"{gap:11.2%} {r['peak_gib']:9.1f} {r['fp8_linear_layers']:11d}  "
+                     f"{r['nll'][0]:.4f} -> {r['nll'][-1]:.4f}")
+    for name, r in results.items():
+        mfu.log(out, f"{name} phases (synced): " + ", ".join(f"{k} {v:.3f}s" for k, v in r["phases"].items()))
+    for name, q in ratios.items():
+        ok = q["throughput_vs_bf16"] >= TARGET_SPEEDUP and q["max_rel_nll_gap"] <= TARGET_GAP
+        verdict = (f"{'meets' if ok else 'misses'} issue 21's bar" if mfu.DEVICE == "cuda" else
+                   "no verdict on CPU (fp8 emulated, tiny shape: the speed means nothing)")
+        mfu.log(out, f"{name}: {q['throughput_vs_bf16']:.3f}x bf16 step throughput (target >= {TARGET_SPEEDUP}), "
+                     f"max NLL gap {q['max_rel_nll_gap']:.2%} (target <= {TARGET_GAP:.0%}): {verdict}")
+    return ratios
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3-1.7b", choices=sorted(mfu.SHAPES))
+    ap.add_argument("--samples", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--response-len", type=int, default=1536)
+    ap.add_argument("--variant", default="fuse=1,mb=8", help="megatron settings (bench/megatron_mfu.py)")
+    ap.add_argument("--fp8-recipes", default="rowwise,tensorwise,rowwise-fast",
+                    help=f"comma-separated of {sorted(RECIPES)}")
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--warmup", type=int, default=3, help="steps left out of the mean step time")
+    ap.add_argument("--batches", type=int, default=4, help="fixed batches, cycled")
+    ap.add_argument("--lr", type=float, default=1e-5)
+    default_out = "bench/results/fp8_training" + ("" if mfu.DEVICE == "cuda" else "_cpu") + ".txt"
+    ap.add_argument("--out", default=default_out)
+    args = ap.parse_args()
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    mfu.OUT_PATH.append(out_path)
+    out: list[str] = []
+    folder = tempfile.mkdtemp(prefix="fp8-model-")
+    cfg = mfu.make_model(args.shape, folder)
+    tokens = args.samples * (args.prompt_len + args.response_len)
+    device = torch.cuda.get_device_name() if mfu.DEVICE == "cuda" else "cpu (torch._scaled_mm emulated)"
+    mfu.log(out, f"{device} | torch {torch.__version__} | {args.shape}, random init | {args.samples} samples x "
+                 f"{args.prompt_len + args.response_len} tokens per step, {args.batches} fixed batches cycled | "
+                 f"megatron[{args.variant}] | {args.steps} steps (mean s/step after {args.warmup}), lr {args.lr}")
+    batches = nll_batches(args.batches, args, cfg.vocab_size)
+    results: dict[str, dict[str, Any]] = {}
+    for name in ["bf16"] + [f"fp8[{r}]" for r in args.fp8_recipes.split(",") if r]:
+        try:
+            results[name] = run_mode(folder, name, batches, args)
+            mfu.log(out, f"{name}: done, {results[name]['s_per_step']:.3f} s/step")
+        except Exception:  # noqa: BLE001  (recorded; the other modes still run)
+            traceback.print_exc()
+            mfu.log(out, f"{name} failed: {traceback.format_exc().splitlines()[-1]}")
+    ratios = report(results, tokens, out)
+    summary = {"device": device, "torch": torch.__version__, "args": vars(args), "tokens_per_step": tokens,
+               "targets": {"throughput_vs_bf16": TARGET_SPEEDUP, "max_rel_nll_gap": TARGET_GAP},
+               "modes": results, "ratios": ratios}
+    out_path.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps(ratios))
+
+
+if __name__ == "__main__":
+    main()
