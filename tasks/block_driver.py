@@ -123,12 +123,15 @@ class BlockDriver:
 
     def __init__(self, store: CampaignStore, recipe: Recipe | None = None, driver_pid: int | None = None) -> None:
         self.store, self.url, self.driver_pid = store, campaign_id(store.url), driver_pid
-        if recipe is not None:
-            self.recipe = recipe
+        self._recipe = recipe
 
-    @cached_property
+    @property
     def recipe(self) -> Recipe:
-        return self.store.load_recipe()
+        """The campaign's recipe, read from the store when first needed (a failed stage's
+        message and its timing do not need it)."""
+        if self._recipe is None:
+            self._recipe = self.store.load_recipe()
+        return self._recipe
 
     @cached_property
     def executor(self) -> Executor:

@@ -1,5 +1,6 @@
 """One block stage, run as its own job: `python -m milepost.tasks.stage --campaign URL --block N
---stage NAME` (or `run_stage(url, block, name)` submitted through an executor).
+--stage NAME [--driver-pid PID]`, submitted by the block driver (tasks/block_driver.py); or
+`run_stage(url, block, name)` in-process (a teardown that could not run as a job).
 
 The stage reads the recipe from the campaign store (campaign.yaml), runs exactly one stage
 and writes its record. Idempotent: a `done` record is returned as it is; otherwise the
