@@ -1,0 +1,58 @@
+"""core/quant/fp8_linear.py on an FP8 GPU (compute capability >= 8.9): the CUDA `_scaled_mm`
+kernels accept every GEMM layout and dtype the module builds (rowwise CUTLASS: mat1 e4m3 / e5m2,
+mat2 e4m3, bf16 out; tensorwise cuBLASLt), and compute what the CPU reference kernel computes
+from the same fp8 operands (only the accumulation order differs). Casts compiled on CUDA
+(Fp8Recipe.compile_casts) must equal the eager ones bit for bit.
+
+Run through the device tool: `python -m pytest -q -m gpu tests/gpu/test_fp8_linear_gpu.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from milepost.core.quant.fp8_linear import E4M3, E5M2, Fp8Recipe, _compiled_quantize, fp8_linear, quantize
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs an FP8 GPU")]
+
+RECIPES = ("rowwise", "tensorwise", "rowwise-gw-bf16", "rowwise-fast")
+
+
+def _recipe(name: str) -> Fp8Recipe:
+    return {"rowwise": Fp8Recipe(), "tensorwise": Fp8Recipe("tensorwise"),
+            "rowwise-gw-bf16": Fp8Recipe(wgrad_fp8=False), "rowwise-fast": Fp8Recipe(fast_accum=True)}[name]
+
+
+def _run(device: str, recipe: Fp8Recipe, compile_casts: bool) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 1000, 512, generator=g).bfloat16()  # 3000 tokens: padded to 3008
+    w = (torch.randn(768, 512, generator=g) * 0.05).bfloat16()
+    grad = torch.randn(3, 1000, 768, generator=g).bfloat16()
+    xg, wg = x.to(device).requires_grad_(), w.to(device).requires_grad_()
+    y = fp8_linear(xg, wg, None, replace(recipe, compile_casts=compile_casts))
+    y.backward(grad.to(device))
+    return y.float().cpu(), xg.grad.float().cpu(), wg.grad.float().cpu()
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_cuda_fp8_linear_matches_the_cpu_reference_kernel(name: str) -> None:
+    recipe = _recipe(name)
+    cpu = _run("cpu", recipe, compile_casts=False)
+    for compile_casts in (False, True):
+        cuda = _run("cuda", recipe, compile_casts)
+        for what, a, b in zip(("y", "dgrad", "wgrad"), cuda, cpu):
+            rel = float((a - b).norm() / b.norm())
+            # same fp8 operands, different accumulation order and bf16 rounding of the sum:
+            # ~2**-8 relative; fast accumulation (forward only) a little more
+            assert rel < (2e-2 if recipe.fast_accum and what == "y" else 8e-3), (name, compile_casts, what, rel)
+
+
+def test_compiled_casts_equal_eager_casts_bit_for_bit_on_cuda() -> None:
+    x = torch.randn(3000, 2048, device="cuda", dtype=torch.bfloat16) * 3
+    for dtype, dim in ((E4M3, 1), (E4M3, 0), (E5M2, None)):
+        q, s = _compiled_quantize(dtype, dim)(x)
+        q0, s0 = quantize(x, dtype, dim)
+        assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0), (dtype, dim)
