@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import megatron_mfu as mfu  # bench/ on the path first
 import torch
 
-RECIPES = {"rowwise": dict(scaling="rowwise"), "tensorwise": dict(scaling="tensorwise"),
+RECIPES: dict[str, dict[str, Any]] = {"rowwise": dict(scaling="rowwise"), "tensorwise": dict(scaling="tensorwise"),
            "rowwise-gw-bf16": dict(scaling="rowwise", wgrad_fp8=False),
            "rowwise-fast": dict(scaling="rowwise", fast_accum=True),
            "rowwise-eager-casts": dict(scaling="rowwise", compile_casts=False)}

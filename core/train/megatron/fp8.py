@@ -65,22 +65,21 @@ def _fp8_forward_impl(self: Any, input: torch.Tensor, weight: torch.Tensor, bias
 
 
 @functools.cache
-def fp8_class(base: type) -> type:
-    """`base` (ColumnParallelLinear / RowParallelLinear) with its GEMM in fp8."""
-    return type(f"Fp8{base.__name__}", (base,), {"_forward_impl": _fp8_forward_impl})
+def fp8_classes() -> dict[type, type]:
+    """megatron's ColumnParallelLinear / RowParallelLinear -> the same with its GEMM in fp8."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    return {base: type(f"Fp8{base.__name__}", (base,), {"_forward_impl": _fp8_forward_impl})
+            for base in (ColumnParallelLinear, RowParallelLinear)}
 
 
 def attach_fp8(chunks: list[Any], recipe: Fp8Recipe) -> Fp8Layers:
     """Turn the transformer linears of every model chunk into their fp8 class, in place (before
     DDP wraps them). Returns which layers went fp8 and which stay bf16, and why."""
-    from megatron.core.tensor_parallel.layers import (
-        ColumnParallelLinear,
-        RowParallelLinear,
-    )
+    classes = fp8_classes()
     done = Fp8Layers()
     for i, chunk in enumerate(chunks):
         for name, module in chunk.named_modules():
-            if type(module) not in (ColumnParallelLinear, RowParallelLinear):
+            if type(module) not in classes:
                 continue
             label = f"chunk{i}.{name}" if len(chunks) > 1 else name
             problem = ("kept in bf16: the output layer" if name.rsplit(".", 1)[-1] in KEEP_BF16
@@ -88,7 +87,7 @@ def attach_fp8(chunks: list[Any], recipe: Fp8Recipe) -> Fp8Layers:
             if problem is not None:
                 done.bf16[label] = problem
                 continue
-            module.__class__ = fp8_class(type(module))
+            module.__class__ = classes[type(module)]
             module.fp8_recipe = recipe
             done.fp8.append(label)
     return done
