@@ -85,19 +85,28 @@ def quantize(x: Tensor, dtype: torch.dtype, dim: int | None) -> tuple[Tensor, Te
     return q, amax / fmax
 
 
+def quantize_t(x: Tensor, dtype: torch.dtype, dim: int | None, transpose: bool) -> tuple[Tensor, Tensor]:
+    """`quantize`, and with `transpose` its q transposed to a contiguous [C, R] and its scale
+    transposed (the layout a backward GEMM reads; compiled, the copy fuses into the cast)."""
+    q, s = quantize(x, dtype, dim)
+    return (q.t().contiguous(), s.t()) if transpose else (q, s)
+
+
 @functools.cache
-def _compiled_quantize(dtype: torch.dtype, dim: int | None) -> Any:
-    """`quantize(·, dtype, dim)` compiled (one cache per combination: no recompiles between them)."""
+def _compiled_quantize(dtype: torch.dtype, dim: int | None, transpose: bool = False) -> Any:
+    """`quantize_t(·, dtype, dim, transpose)` compiled (a cache per combination: no recompiles
+    between them)."""
     def quantize_one(x: Tensor) -> tuple[Tensor, Tensor]:
-        return quantize(x, dtype, dim)
+        return quantize_t(x, dtype, dim, transpose)
     return torch.compile(quantize_one, dynamic=True)
 
 
-def cast(x: Tensor, dtype: torch.dtype, dim: int | None, recipe: Fp8Recipe) -> tuple[Tensor, Tensor]:
-    """`quantize`, compiled on CUDA when `recipe.compile_casts` (Fp8Recipe)."""
+def cast(x: Tensor, dtype: torch.dtype, dim: int | None, recipe: Fp8Recipe,
+         transpose: bool = False) -> tuple[Tensor, Tensor]:
+    """`quantize_t`, compiled on CUDA when `recipe.compile_casts` (Fp8Recipe)."""
     if recipe.compile_casts and x.is_cuda:
-        return _compiled_quantize(dtype, dim)(x)
-    return quantize(x, dtype, dim)
+        return _compiled_quantize(dtype, dim, transpose)(x)
+    return quantize_t(x, dtype, dim, transpose)
 
 
 def _pad_rows(x: Tensor) -> Tensor:
@@ -131,8 +140,8 @@ def dgrad_gemm(g: Tensor, saved: tuple[Tensor, ...], recipe: Fp8Recipe) -> Tenso
     """g: [M, N] gradient of y -> bf16 [M, K] = g @ w."""
     if recipe.scaling == "rowwise":
         gq, gs = cast(g, recipe.grad_dtype, 1, recipe)  # per token
-        wq, ws = cast(saved[1], E4M3, 0, recipe)  # per input feature: the output columns of g @ w
-        return _mm(gq, gs, wq.t().contiguous(), ws.t())
+        wq_t, ws_t = cast(saved[1], E4M3, 0, recipe, transpose=True)  # per input feature: g @ w's columns
+        return _mm(gq, gs, wq_t, ws_t)
     gq, gs = cast(g, recipe.grad_dtype, None, recipe)
     _, _, wq, ws = saved
     return _mm(gq, gs, wq.t().contiguous(), ws)
@@ -142,9 +151,9 @@ def wgrad_gemm(g: Tensor, saved: tuple[Tensor, ...], recipe: Fp8Recipe) -> Tenso
     """g: [M, N] -> bf16 [N, K] = g.T @ x, reduced over the M tokens."""
     if recipe.scaling == "rowwise":
         x = saved[0]
-        gq, gs = cast(g, recipe.grad_dtype, 0, recipe)  # per output feature, over the tokens
-        xq, xs = cast(x, E4M3, 0, recipe)  # per input feature, over the tokens
-        return _mm(gq.t().contiguous(), gs.t(), xq.t().contiguous(), xs.t())
+        gq_t, gs_t = cast(g, recipe.grad_dtype, 0, recipe, transpose=True)  # per output feature, over tokens
+        xq_t, xs_t = cast(x, E4M3, 0, recipe, transpose=True)  # per input feature, over the tokens
+        return _mm(gq_t, gs_t, xq_t, xs_t)
     xq, xs, _, _ = saved
     gq, gs = cast(g, recipe.grad_dtype, None, recipe)
     return _mm(gq.t().contiguous(), gs, xq.t().contiguous(), xs)

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from milepost.core.quant.fp8_linear import E4M3, E5M2, Fp8Recipe, _compiled_quantize, fp8_linear, quantize
+from milepost.core.quant.fp8_linear import E4M3, E5M2, Fp8Recipe, _compiled_quantize, fp8_linear, quantize_t
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs an FP8 GPU")]
@@ -52,7 +52,7 @@ def test_cuda_fp8_linear_matches_the_cpu_reference_kernel(name: str) -> None:
 
 def test_compiled_casts_equal_eager_casts_bit_for_bit_on_cuda() -> None:
     x = torch.randn(3000, 2048, device="cuda", dtype=torch.bfloat16) * 3
-    for dtype, dim in ((E4M3, 1), (E4M3, 0), (E5M2, None)):
-        q, s = _compiled_quantize(dtype, dim)(x)
-        q0, s0 = quantize(x, dtype, dim)
+    for dtype, dim, transpose in ((E4M3, 1, False), (E4M3, 0, True), (E5M2, None, False)):
+        q, s = _compiled_quantize(dtype, dim, transpose)(x)
+        q0, s0 = quantize_t(x, dtype, dim, transpose)
         assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0), (dtype, dim)

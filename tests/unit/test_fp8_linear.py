@@ -21,6 +21,7 @@ from milepost.core.quant.fp8_linear import (
     fp8_linear,
     fp8_shape_problem,
     quantize,
+    quantize_t,
 )
 
 REL = {E4M3: 2.0**-4, E5M2: 2.0**-3}
@@ -180,7 +181,7 @@ def test_the_compiled_casts_the_gpu_uses_equal_the_eager_ones_bit_for_bit() -> N
     # Fp8Recipe.compile_casts compiles `quantize` on CUDA; compiled here on CPU (inductor) to
     # check the arithmetic is unchanged, on a token count that is not a multiple of anything
     x = torch.randn(77, 48, dtype=torch.bfloat16) * 5
-    for dtype, dim in ((E4M3, 1), (E5M2, None)):
-        q, s = _compiled_quantize(dtype, dim)(x)
-        q0, s0 = quantize(x, dtype, dim)
+    for dtype, dim, transpose in ((E4M3, 0, True), (E5M2, None, False)):
+        q, s = _compiled_quantize(dtype, dim, transpose)(x)
+        q0, s0 = quantize_t(x, dtype, dim, transpose)
         assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0)
