@@ -12,8 +12,8 @@ Loss curve: every advantage +1, TIS off, engine logprobs 0, so each step maximis
 responses' likelihood and `train/engine_logprob_absdiff_sum / loss tokens` is the batch's NLL
 before the step's update (as tests/integration/test_megatron_fp8.py). Reported: s/step (mean
 after `--warmup` steps), tokens/s, fp8 / bf16 throughput ratio (target >= 1.15 on the GPU), the
-max relative gap of the NLL curves (target <= 2 %), peak memory, and a synced split of one
-more step (forward-backward / optimizer / rest).
+max relative gap of the NLL curves (target <= 2 %) and the gap in NLL learnt (`progress_gap`),
+peak memory, and a synced split of one more step (forward-backward / optimizer / rest).
 
 On CPU (`--shape tiny`) the same code runs with torch._scaled_mm emulated: a check that the
 bench works, not a speed measurement (fp8 is slower there). Writes `--out` (.txt, rewritten
@@ -92,22 +92,33 @@ def run_mode(folder: str, name: str, batches: list[list[Any]], args: argparse.Na
 
 
 def max_rel_gap(a: list[float], b: list[float]) -> float:
+    """Issue 21's measure: max over steps of |a - b| / |b|."""
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def progress_gap(a: list[float], b: list[float]) -> float:
+    """max over steps of |(a_i - a_0) - (b_i - b_0)| / max |b_i - b_0|: the gap in what was
+    learnt. Stricter than max_rel_gap when the NLL moves little against its size (a random-init
+    model on random tokens starts near ln(vocab) ~ 12)."""
+    learnt = max(abs(y - b[0]) for y in b) or 1.0
+    return max(abs((x - a[0]) - (y - b[0])) for x, y in zip(a, b)) / learnt
 
 
 def report(results: dict[str, dict[str, Any]], tokens: int, out: list[str]) -> dict[str, dict[str, float]]:
     """Table lines and the fp8 / bf16 ratios."""
-    mfu.log(out, f"{'mode':<24} {'s/step':>7} {'tok/s':>8} {'vs bf16':>8} {'max NLL gap':>12} {'peak GiB':>9} "
+    mfu.log(out, f"{'mode':<24} {'s/step':>7} {'tok/s':>8} {'vs bf16':>8} {'max NLL gap':>12} {'learnt gap':>11} "
+                 f"{'peak GiB':>9} "
                  f"{'fp8 linears':>11}  NLL first -> last")
     ratios: dict[str, dict[str, float]] = {}
     base = results.get("bf16")
     for name, r in results.items():
         speed = base["s_per_step"] / r["s_per_step"] if base else float("nan")
         gap = max_rel_gap(r["nll"], base["nll"]) if base else float("nan")
+        learnt = progress_gap(r["nll"], base["nll"]) if base else float("nan")
         if name != "bf16":
-            ratios[name] = {"throughput_vs_bf16": speed, "max_rel_nll_gap": gap}
+            ratios[name] = {"throughput_vs_bf16": speed, "max_rel_nll_gap": gap, "learnt_gap": learnt}
         mfu.log(out, f"{name:<24} {r['s_per_step']:7.3f} {tokens / r['s_per_step']:8.0f} {speed:7.3f}x "
-                     f"{gap:11.2%} {r['peak_gib']:9.1f} {r['fp8_linear_layers']:11d}  "
+                     f"{gap:11.2%} {learnt:11.2%} {r['peak_gib']:9.1f} {r['fp8_linear_layers']:11d}  "
                      f"{r['nll'][0]:.4f} -> {r['nll'][-1]:.4f}")
     for name, r in results.items():
         mfu.log(out, f"{name} phases (synced): " + ", ".join(f"{k} {v:.3f}s" for k, v in r["phases"].items()))
@@ -116,7 +127,8 @@ def report(results: dict[str, dict[str, Any]], tokens: int, out: list[str]) -> d
         verdict = (f"{'meets' if ok else 'misses'} issue 21's bar" if mfu.DEVICE == "cuda" else
                    "no verdict on CPU (fp8 emulated, tiny shape: the speed means nothing)")
         mfu.log(out, f"{name}: {q['throughput_vs_bf16']:.3f}x bf16 step throughput (target >= {TARGET_SPEEDUP}), "
-                     f"max NLL gap {q['max_rel_nll_gap']:.2%} (target <= {TARGET_GAP:.0%}): {verdict}")
+                     f"max NLL gap {q['max_rel_nll_gap']:.2%} (target <= {TARGET_GAP:.0%}; gap in NLL learnt "
+                     f"{q['learnt_gap']:.1%}): {verdict}")
     return ratios
 
 
@@ -132,7 +144,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of the mean step time")
     ap.add_argument("--batches", type=int, default=4, help="fixed batches, cycled")
-    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--lr", type=float, default=2e-5)
     default_out = "bench/results/fp8_training" + ("" if mfu.DEVICE == "cuda" else "_cpu") + ".txt"
     ap.add_argument("--out", default=default_out)
     args = ap.parse_args()
