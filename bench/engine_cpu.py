@@ -61,8 +61,8 @@ def bench_hf(model, prompts, new_tokens: int) -> tuple[float, list[list[int]]]:
 
 
 def bench_http(path: str, prompts, new_tokens: int) -> float:
-    from milepost.core.engine.client import EngineClient
-    from milepost.core.engine.router import free_port
+    from milepost.core.fleet.client import EngineClient
+    from milepost.core.fleet.router import free_port
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "milepost.core.engine.server", "--model-path", path,

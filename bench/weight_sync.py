@@ -31,8 +31,8 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from milepost.core.config import AlgoConfig, SyncConfig, TrainConfig
-from milepost.core.engine.client import EngineClient
-from milepost.core.engine.router import free_port
+from milepost.core.fleet.client import EngineClient
+from milepost.core.fleet.router import free_port
 from milepost.core.train.torch_backend import TorchBackend
 from milepost.core.weight_sync import DistributedTransport, TensorTransport, build_transport
 

@@ -157,7 +157,7 @@ class DataConfig(Section):
     num_eval_rows: int = Field(200, ge=1, description="Rows generated for builtin eval sets.")
 
 
-# Flags the launcher sets itself (core/engine/launcher.py): `rollout.sglang.extra_args` may not
+# Flags the launcher sets itself (core/fleet/launcher.py): `rollout.sglang.extra_args` may not
 # repeat them, nor put a key on the command line, where `ps` shows it to every user.
 MANAGED_ENGINE_FLAGS = frozenset({
     "--model-path", "--model", "--host", "--port", "--nccl-port", "--tp-size", "--tensor-parallel-size",

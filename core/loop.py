@@ -26,7 +26,7 @@ from milepost.core.algo.advantages import WHOLE_BATCH, compute_advantages
 from milepost.core.checkpoint import CheckpointManager
 from milepost.core.config import Recipe
 from milepost.core.data.source import PromptSource
-from milepost.core.engine.client import EngineClient
+from milepost.core.fleet.client import EngineClient
 from milepost.core.filters import FilterChain
 from milepost.core.hooks import CommittedCheckpoint, Hooks
 from milepost.core.reward import RewardEvaluator, split_failed
@@ -102,7 +102,7 @@ class RLLoop:
         committed (the metrics sinks take committed steps only). `filters` and `hooks`: the
         recipe's, resolved (core/extensions.py); None resolves them from the recipe.
         `routed_experts` (MoE models): rollouts ask for the engines' routes, so `router` must
-        reach the engines directly (core/engine/direct.py)."""
+        reach the engines directly (core/fleet/direct.py)."""
         self.recipe, self.backend, self.router, self.engines = recipe, backend, router, engines
         self.engines_asleep = engines_asleep or nullcontext
         self.source, self.rollout_fn, self.rewards = source, rollout_fn, rewards

@@ -11,7 +11,7 @@ to need it) and found by name by the run_steps stage and by engine restarts:
 
 SGLang engines (`rollout.engine: sglang`) get GPU bundles: engine e's bundle holds its
 TP size in GPUs, the engine actor asks for them (`num_gpus`), Ray sets its
-CUDA_VISIBLE_DEVICES, and the engine starts at `--base-gpu-id 0` (core/engine/launcher.py).
+CUDA_VISIBLE_DEVICES, and the engine starts at `--base-gpu-id 0` (core/fleet/launcher.py).
 
 On a cluster with GPUs (`gpus`), every trainer rank and every built-in engine takes one:
 disaggregated, each its own bundle's GPU; colocated, a rank and the engine of its bundle
@@ -35,7 +35,7 @@ from ray.util.placement_group import PlacementGroup, get_placement_group, placem
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 GROUP_NAME = "milepost-placement"  # unique: every block has its own Ray cluster and namespace
-ENGINE_CPUS = 0.5  # what an engine actor reserves (core/engine/actor.py)
+ENGINE_CPUS = 0.5  # what an engine actor reserves (core/fleet/actor.py)
 GPU_SHARE = 0.5  # colocated on a GPU: what the rank and the engine of a bundle each ask of it
 
 
@@ -92,7 +92,7 @@ class Placement:
 def placement_for(recipe: Any, rank_cpus: float) -> Placement:
     """The block's placement from the recipe (cluster.placement, train.num_ranks, engines) and
     the connected Ray cluster (GPUs or not)."""
-    from milepost.core.engine.launcher import engine_gpus
+    from milepost.core.fleet.launcher import engine_gpus
     gpus = ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
     return Placement(recipe.cluster.placement, recipe.train.num_ranks, recipe.rollout.num_engines, rank_cpus,
                      engine_gpus(recipe.rollout, gpus), gpus)

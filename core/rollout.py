@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-from milepost.core.engine.client import EngineClient
+from milepost.core.fleet.client import EngineClient
 from milepost.core.partial_rollout import PartialResponse, continue_cut_responses
 from milepost.core.plugins import Registry
 from milepost.core.types import Prompt, Sample

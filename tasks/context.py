@@ -93,7 +93,7 @@ class StageContext:
 
     def attach_fleet(self) -> Any:
         """The fleet the start_engines stage started, with a supervisor of this stage's own."""
-        from milepost.core.engine.fleet import Fleet
+        from milepost.core.fleet.fleet import Fleet
 
         doc = self.fleet_doc()
         if doc is None:

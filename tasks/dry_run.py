@@ -5,8 +5,8 @@ nothing written.
 What is rendered by the real code: the Ray allocation's sbatch script (slurm/sbatch.py) or
 the local Ray head's command (tasks/local_ray.py), the stage jobs' submitit parameters
 (slurm/slurm_executor.py), the placement group's bundles (core/placement.py), each engine's
-launch template (core/engine/launcher.py: the exact argv an engine actor runs once it has
-filled the `{…}` placeholders on its node) and the router's command (core/engine/router.py).
+launch template (core/fleet/launcher.py: the exact argv an engine actor runs once it has
+filled the `{…}` placeholders on its node) and the router's command (core/fleet/router.py).
 Secrets appear as paths only. Model and data paths are not opened here: they are checked
 when the campaign runs, on the machine that can read them.
 """
@@ -17,7 +17,7 @@ import os
 import shlex
 
 from milepost.core.config import Recipe
-from milepost.core.engine.launcher import (
+from milepost.core.fleet.launcher import (
     FREE_PORT,
     NODE_IP,
     PLACEHOLDERS,
@@ -25,7 +25,7 @@ from milepost.core.engine.launcher import (
     engine_command,
     engine_gpus,
 )
-from milepost.core.engine.router import router_command
+from milepost.core.fleet.router import router_command
 from milepost.core.model.moe import is_moe_model
 from milepost.core.placement import GROUP_NAME, Placement
 from milepost.core.records import Stage, block_path, campaign_id

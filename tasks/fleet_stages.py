@@ -20,7 +20,7 @@ def start_engines(ctx: StageContext) -> dict[str, Any]:
     engine health-checked. At the campaign's start (policy version 0) it also measures the base
     policy on the eval set (base_eval.json, once): the fleet is up here, and the base policy
     must be measured before run_steps changes it."""
-    from milepost.core.engine.fleet import Fleet, stop_fleet_actors
+    from milepost.core.fleet.fleet import Fleet, stop_fleet_actors
     from milepost.core.evaluate import record_base_eval
     from milepost.core.placement import placement_for
     from milepost.core.train.torch_backend import RANK_NUM_CPUS
@@ -44,7 +44,7 @@ def start_engines(ctx: StageContext) -> dict[str, Any]:
                         admin_key_path=ctx.engine_admin_key_path(), lora=lora, precision=ctx.recipe.precision.rollout)
     try:
         if lora is not None and latest:
-            from milepost.core.engine.fleet import FleetTransport
+            from milepost.core.fleet.fleet import FleetTransport
             from milepost.core.weight_sync.lora_push import LoraTransport
             FleetTransport(fleet, LoraTransport(timeout_s=ctx.recipe.sync.timeout_s)).push(
                 fleet.clients, str(latest.path / "hf"), version)

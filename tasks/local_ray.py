@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import psutil
 
+from milepost.core.engine_wire import BUILTIN_ENGINE_MODULE
 from milepost.slurm.port_check import taken_ports
 from milepost.slurm.sbatch import NUM_NODE_PORTS, RayPorts
 
@@ -119,14 +120,14 @@ def _owned(pid: int, created_at: float | None) -> psutil.Process | None:
 
 def _is_fleet_process(proc: psutil.Process) -> bool:
     """A guard on a recorded engine/router pid (which may have been reused since): it must
-    still look like a Ray worker, an engine process (core/engine/launcher.py's modules) or a
+    still look like a Ray worker, an engine process (core/fleet/launcher.py's modules) or a
     router. Found by pid first, this only vetoes."""
     try:
         cmdline = " ".join(proc.cmdline())
     except psutil.Error:
         return False
     return (cmdline.startswith("ray::") or "default_worker.py" in cmdline
-            or any(m in cmdline for m in ("sglang_router", "sglang.launch_server", "milepost.core.engine.server")))
+            or any(m in cmdline for m in ("sglang_router", "sglang.launch_server", BUILTIN_ENGINE_MODULE)))
 
 
 def collect(pids: list[tuple[int, float]], temp_dir: str | None, extra_pids: list[int],

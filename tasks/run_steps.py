@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from milepost.core.data.source import DataCursor, PromptSource, load_rows
-from milepost.core.engine.direct import direct_client
-from milepost.core.engine.fleet import FleetTransport
+from milepost.core.fleet.direct import direct_client
+from milepost.core.fleet.fleet import FleetTransport
 from milepost.core.extensions import resolve_extensions, trainer_algo
 from milepost.core.hooks import BlockInfo
 from milepost.core.loop import LoopState, RLLoop

@@ -29,7 +29,7 @@ from milepost.core.engine.generation import Sequence
 from milepost.core.engine.static_model import kv_bytes_per_token, unsupported_reason
 
 if TYPE_CHECKING:
-    from milepost.core.engine.server import Scheduler
+    from milepost.core.engine.scheduler import Scheduler
 
 log = logging.getLogger("milepost.engine")
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import secrets
-from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 ALWAYS_OPEN_PREFIXES = ("/health", "/ready", "/metrics")
@@ -43,23 +42,10 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
-def bearer_header(key: str) -> dict[str, str]:
-    """The header that carries an admin key, as SGLang expects it."""
-    return {"Authorization": f"Bearer {key}"}
-
-
 def bearer_matches(header: str | None, key: str) -> bool:
     """`header` is `Bearer <key>` (scheme in any case), compared in constant time."""
     scheme, _, token = (header or "").partition(" ")
     return scheme.lower() == "bearer" and secrets.compare_digest(token.encode(), key.encode())
-
-
-def read_key_file(path: str | Path) -> str:
-    """An admin key kept in a file (e.g. the campaign's secret); the file must not be empty."""
-    key = Path(path).read_text().strip()
-    if not key:
-        raise ValueError(f"admin key file {path} is empty: write the key into it or drop the option")
-    return key
 
 
 def needs_admin(app: Any, scope: Scope) -> bool:

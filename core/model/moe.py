@@ -44,7 +44,7 @@ def is_moe_model(path: str) -> bool | None:
 def check_routing_replay(recipe: Recipe) -> None:
     """`algo.routing_replay: true` needs an MoE model: refuse it on a model known to be dense.
     An MoE model with `train.lora` is refused too: its rollout goes to the engines directly
-    (core/engine/direct.py), which does not name the adapter yet."""
+    (core/fleet/direct.py), which does not name the adapter yet."""
     moe = is_moe_model(recipe.model.path)
     if moe and recipe.train.lora is not None:
         raise UserError(f"train.lora with the MoE model `{recipe.model.path}` is not supported yet (MoE rollouts "

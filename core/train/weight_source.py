@@ -37,7 +37,7 @@ class SenderRank:
         may be taken on the node's address (measured: Ray's agents serve HTTP there, and an
         engine joining the group then pinged an HTTP server)."""
         import ray  # rank workers also run without Ray (bench/megatron_mfu.py on a bare GPU machine)
-        from milepost.core.engine.router import free_port
+        from milepost.core.fleet.router import free_port
         address = ray.util.get_node_ip_address()
         return address, free_port(address)
 

@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Protocol
 
-from milepost.core.engine.client import EngineClient, EngineError
+from milepost.core.fleet.client import EngineClient, EngineError
 
 log = logging.getLogger("milepost.weight_sync")
 

@@ -8,7 +8,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from milepost.core.engine.client import EngineClient
+from milepost.core.fleet.client import EngineClient
 from milepost.core.weight_sync.base import (Deadline, WeightSyncError, best_effort, log, no_reply, on_engines,
                                             verify_versions)
 

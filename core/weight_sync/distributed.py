@@ -8,7 +8,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from milepost.core.engine.client import EngineClient
+from milepost.core.fleet.client import EngineClient
 from milepost.core.weight_sync import groups, wire
 from milepost.core.weight_sync.base import Deadline, WeightSource, best_effort, log, on_engines, result
 from milepost.core.weight_sync.session import SessionTransport

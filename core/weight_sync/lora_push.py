@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from milepost.core.engine.client import EngineClient, EngineError
+from milepost.core.fleet.client import EngineClient, EngineError
 from milepost.core.train.lora import ADAPTER_WEIGHTS, is_adapter_folder, read_adapter
 from milepost.core.weight_sync.base import (Deadline, WeightSyncError, best_effort, log, no_reply, on_engines,
                                             verify_versions)

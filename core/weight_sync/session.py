@@ -9,7 +9,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from milepost.core.engine.client import EngineClient
+from milepost.core.fleet.client import EngineClient
 from milepost.core.weight_sync.base import (Deadline, WeightSource, WeightSyncError, best_effort, no_reply,
                                             on_engines, result, verify_versions)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from milepost.core.engine.client import EngineClient
+from milepost.core.fleet.client import EngineClient
 from milepost.core.weight_sync import wire
 from milepost.core.weight_sync.base import Deadline, WeightSource, log, on_engines, result
 from milepost.core.weight_sync.session import SessionTransport

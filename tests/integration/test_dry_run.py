@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from milepost.core.config import RolloutConfig
-from milepost.core.engine.launcher import PLACEHOLDERS
+from milepost.core.fleet.launcher import PLACEHOLDERS
 from milepost.tasks.dry_run import RANK_CPUS
 
 from tinymodels import save_tiny_qwen2
@@ -74,7 +74,7 @@ def test_a_real_fleet_runs_the_dry_run_command(tmp_path) -> None:
     rollout settings (and the admin key, as the start_engines stage) runs exactly that argv."""
     import ray
 
-    from milepost.core.engine.fleet import Fleet
+    from milepost.core.fleet.fleet import Fleet
 
     done = _dry_run(str(ROOT / "recipes/tiny-arith.yaml"), "--campaign", str(tmp_path / "c"), cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]

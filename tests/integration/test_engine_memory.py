@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from milepost.core.engine.client import EngineError
+from milepost.core.fleet.client import EngineError
 from milepost.core.weight_sync import build_transport
 
 from tinymodels import start_engines, stop_engines

@@ -9,8 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from milepost.core.engine.client import EngineClient, EngineError
-from milepost.core.engine.router import Router
+from milepost.core.fleet.client import EngineClient, EngineError
+from milepost.core.fleet.router import Router
 
 from tinymodels import save_tiny_qwen2, start_engines, stop_engines
 
@@ -184,7 +184,7 @@ def test_bad_weight_group_requests_are_400(engine, change, named) -> None:
 def test_flush_cache_is_plain_text_retried_until_200(engine) -> None:
     """SGLang's /flush_cache answers plain text, 200 or 400 while requests run; the client
     never parses it as JSON and retries the 400 until 200 within its timeout."""
-    from milepost.core.engine.server import FLUSHED_TEXT
+    from milepost.core.engine.protocol import FLUSHED_TEXT
     for method in ("GET", "POST"):
         reply = httpx.request(method, f"{engine.base_url}/flush_cache", timeout=10)
         assert reply.status_code == 200 and reply.text == FLUSHED_TEXT, (method, reply.text)

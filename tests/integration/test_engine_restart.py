@@ -17,7 +17,7 @@ import pytest
 import ray
 
 from milepost.core.config import RolloutConfig
-from milepost.core.engine.fleet import Fleet, FleetError, FleetTransport
+from milepost.core.fleet.fleet import Fleet, FleetError, FleetTransport
 from milepost.core.rollout import RolloutRequest, default_rollout
 from milepost.core.types import Prompt, Sample
 from milepost.core.weight_sync import build_transport
@@ -246,8 +246,8 @@ def _gone(pid: int, timeout_s: float = 30.0) -> bool:
 def test_the_engine_process_dies_with_its_actor(ray_session, models, tmp_path) -> None:
     """The actor owns its engine: a killed actor's engine dies (PR_SET_PDEATHSIG), and `stop`
     ends the engine's whole process group (it leads its own: start_new_session)."""
-    from milepost.core.engine.actor import EngineActor
-    from milepost.core.engine.launcher import engine_command
+    from milepost.core.fleet.actor import EngineActor
+    from milepost.core.fleet.launcher import engine_command
 
     command = engine_command(RolloutConfig(), models[0], "0", colocated=False, host="127.0.0.1")
     killed, stopped = (EngineActor.remote(str(tmp_path / f"{n}.log")) for n in ("killed", "stopped"))

@@ -13,9 +13,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from milepost.core.engine.client import EngineClient, EngineError
+from milepost.core.fleet.client import EngineClient, EngineError
 from milepost.core.engine.http_guard import PUBLIC_ROUTES
-from milepost.core.engine.server import Scheduler, create_app
+from milepost.core.engine.routes import create_app
+from milepost.core.engine.scheduler import Scheduler
 from milepost.core.weight_sync import DiskTransport
 
 from tinymodels import save_tiny_qwen2, start_engines, stop_engines

@@ -10,8 +10,8 @@ import time
 
 import ray
 
-from milepost.core.engine.actor import EngineActor
-from milepost.core.engine.fleet import stop_fleet_actors
+from milepost.core.fleet.actor import EngineActor
+from milepost.core.fleet.fleet import stop_fleet_actors
 from milepost.core.placement import Placement, actor_strategy, ensure_group
 
 NAMESPACE = "milepost-test-leftovers-b000000"
@@ -20,7 +20,7 @@ NAMESPACE = "milepost-test-leftovers-b000000"
 # SIGKILLed before it records anything.
 KILLED_ATTEMPT = f"""
 import os, ray, signal, tempfile
-from milepost.core.engine.actor import EngineActor
+from milepost.core.fleet.actor import EngineActor
 from milepost.core.placement import Placement, actor_strategy, ensure_group
 ray.init(address=os.environ["RAY_ADDRESS"], namespace={NAMESPACE!r})
 group = ensure_group(Placement("disaggregated", 0, 1, 1.0))

@@ -19,7 +19,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from milepost.core.config import AlgoConfig, RolloutConfig, TrainConfig
-from milepost.core.engine.launcher import engine_command
+from milepost.core.fleet.launcher import engine_command
 from milepost.core.quant.int4 import fake_quantize_int4, quantized_linears
 from milepost.core.train.torch_backend import TorchBackend
 from milepost.core.types import Sample

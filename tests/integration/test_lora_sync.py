@@ -16,7 +16,7 @@ import ray
 import torch
 
 from milepost.core.config import AlgoConfig, LoraConfig, TrainConfig
-from milepost.core.engine.client import EngineClient, EngineError
+from milepost.core.fleet.client import EngineClient, EngineError
 from milepost.core.train import lora
 from milepost.core.train.torch_backend import TorchBackend
 from milepost.core.types import Sample

@@ -19,8 +19,8 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from milepost.core.algo.routing_replay import RankReplay, decode_routes
 from milepost.core.config import RolloutConfig
-from milepost.core.engine.direct import direct_client
-from milepost.core.engine.fleet import Fleet
+from milepost.core.fleet.direct import direct_client
+from milepost.core.fleet.fleet import Fleet
 from milepost.core.model.loading import load_causal_lm
 from milepost.core.rollout import RolloutRequest, default_rollout
 from milepost.core.train.batch import collate

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from milepost.core.engine.client import EngineClient
+from milepost.core.fleet.client import EngineClient
 from milepost.core.rollout import RolloutRequest, default_rollout
 from milepost.core.types import Prompt, Sample
 from milepost.core.weight_sync import build_transport

@@ -9,7 +9,7 @@ import ray
 from ray.util.placement_group import remove_placement_group
 
 from milepost.core.config import AlgoConfig, RolloutConfig, TrainConfig
-from milepost.core.engine.fleet import Fleet
+from milepost.core.fleet.fleet import Fleet
 from milepost.core.placement import ENGINE_CPUS, Placement, ensure_group, find_group
 from milepost.core.train.torch_backend import RANK_NUM_CPUS, TorchBackend
 
@@ -76,8 +76,8 @@ def test_sglang_engines_get_gpu_bundles_and_their_devices(model, tmp_path) -> No
     them (the fleet's own Ray options), and the engine process it launches sees exactly
     those 2 devices in CUDA_VISIBLE_DEVICES (so `--base-gpu-id 0` is its first). The process
     launched is the built-in engine (SGLang cannot run here), through the same actor."""
-    from milepost.core.engine.actor import EngineActor
-    from milepost.core.engine.launcher import engine_command, engine_gpus
+    from milepost.core.fleet.actor import EngineActor
+    from milepost.core.fleet.launcher import engine_command, engine_gpus
 
     cfg = RolloutConfig(engine="sglang", engine_tensor_parallel=2, num_engines=2)
     placement = Placement("disaggregated", num_ranks=0, num_engines=2, rank_cpus=RANK_NUM_CPUS,
@@ -104,8 +104,8 @@ def test_on_gpus_a_colocated_rank_and_builtin_engine_share_one_gpu(model, tmp_pa
     """A cluster with GPUs: colocated, rank 0 and the built-in engine each ask half of bundle
     0's one GPU, so Ray shows both the same device (an actor asking none would see none);
     disaggregated, every rank and engine gets a GPU of its own."""
-    from milepost.core.engine.actor import EngineActor
-    from milepost.core.engine.launcher import engine_command, engine_gpus
+    from milepost.core.fleet.actor import EngineActor
+    from milepost.core.fleet.launcher import engine_command, engine_gpus
     from milepost.core.placement import actor_strategy
 
     cfg = RolloutConfig(num_engines=1)

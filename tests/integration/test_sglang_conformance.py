@@ -28,7 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import sglang_oracle
-from milepost.core.engine.client import EngineClient
+from milepost.core.fleet.client import EngineClient
 from milepost.core.rollout import RolloutRequest, default_rollout
 from milepost.core.types import Prompt
 from milepost.core.weight_sync import groups

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 from milepost.core.config import AlgoConfig, RolloutConfig, TrainConfig
-from milepost.core.engine.client import EngineClient, EngineError
-from milepost.core.engine.fleet import Fleet, FleetTransport
-from milepost.core.engine.router import free_port
+from milepost.core.fleet.client import EngineClient, EngineError
+from milepost.core.fleet.fleet import Fleet, FleetTransport
+from milepost.core.fleet.router import free_port
 from milepost.core.train.torch_backend import TorchBackend
 from milepost.core.types import Sample
 from milepost.core.weight_sync import (DistributedTransport, TensorTransport, WeightSyncError, build_transport,

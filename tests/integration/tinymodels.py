@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from milepost.core.engine.client import EngineClient
-from milepost.core.engine.router import free_port
+from milepost.core.fleet.client import EngineClient
+from milepost.core.fleet.router import free_port
 from milepost.core.types import Sample
 
 

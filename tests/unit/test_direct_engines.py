@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from milepost.core.engine.client import EngineClient, EngineError
-from milepost.core.engine.direct import DirectEngines
-from milepost.core.engine.router import free_port
+from milepost.core.fleet.client import EngineClient, EngineError
+from milepost.core.fleet.direct import DirectEngines
+from milepost.core.fleet.router import free_port
 
 
 def _unreachable() -> EngineClient:

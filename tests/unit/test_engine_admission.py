@@ -1,4 +1,4 @@
-"""The admission probe (core/engine/admission.py) against real HTTP servers: an SGLang-like
+"""The admission probe (core/fleet/admission.py) against real HTTP servers: an SGLang-like
 build lacking /begin_weight_update (as older SGLang) is refused with its version and the
 missing route; one naming model info the older way (/get_model_info) is admitted; the probe
 runs no POST route (a GET on a POST-only route answers 405)."""
@@ -13,7 +13,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from milepost.core.engine.admission import REQUIRED_POST_ROUTES, EngineRefused, probe_engine
+from milepost.core.fleet.admission import REQUIRED_POST_ROUTES, EngineRefused, probe_engine
 
 
 def _serve(app: FastAPI) -> tuple[str, uvicorn.Server]:

@@ -14,9 +14,10 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from milepost.core.config import RolloutConfig
 from milepost.core.engine.fast_path import fast_path_problem
-from milepost.core.engine.launcher import engine_command
+from milepost.core.fleet.launcher import engine_command
 from milepost.core.engine.quantized import Int4Linear, load_model, serve_int4, served_rows
-from milepost.core.engine.server import Scheduler, parse_args
+from milepost.core.engine.scheduler import Scheduler
+from milepost.core.engine.server import parse_args
 from milepost.core.quant.int4 import fake_quantize_int4, num_groups, quantized_linears, unpack_int4
 from milepost.core.train.precision import attach_int4_qat
 

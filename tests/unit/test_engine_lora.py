@@ -13,7 +13,8 @@ from fastapi.testclient import TestClient
 
 from milepost.core.config import LoraConfig
 from milepost.core.engine.lora_adapter import EngineLora, take_batch
-from milepost.core.engine.server import Scheduler, create_app
+from milepost.core.engine.routes import create_app
+from milepost.core.engine.scheduler import Scheduler
 from milepost.core.train import lora
 from tests.unit.test_lora import perturb, tiny_qwen2
 
@@ -105,7 +106,7 @@ def test_a_batch_holds_one_adapter_and_the_others_keep_their_order() -> None:
 
 def test_the_launcher_renders_sglangs_lora_flags_and_the_builtin_engine_takes_them() -> None:
     from milepost.core.config import RolloutConfig
-    from milepost.core.engine.launcher import engine_command
+    from milepost.core.fleet.launcher import engine_command
     from milepost.core.engine.server import parse_args
     argv = engine_command(RolloutConfig(), "/m", "0", colocated=False, host="127.0.0.1", lora=CFG).resolve(
         port=8000, python="python").argv()

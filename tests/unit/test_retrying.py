@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from milepost.core.engine.client import EngineError
-from milepost.core.engine.retrying import RetryingClient
+from milepost.core.fleet.client import EngineError
+from milepost.core.fleet.retrying import RetryingClient
 
 OK = [{"output_ids": [1, 2], "meta_info": {"finish_reason": {"type": "length", "length": 2}}}]
 ABORTED = [{"output_ids": [1], "meta_info": {"finish_reason": {"type": "abort", "message": "engine died"}}}]

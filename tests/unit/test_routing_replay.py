@@ -199,7 +199,7 @@ def test_megatron_replay_refuses_what_it_does_not_handle(megatron, match) -> Non
 def test_a_saved_moe_checkpoint_loads_into_the_live_layout(model, tmp_path) -> None:
     """transformers saves experts one Linear each; the engine's disk update needs them fused."""
     from safetensors.torch import load_file
-    from milepost.core.engine.checkpoint_layout import live_layout
+    from milepost.core.engine.disk_load import live_layout
 
     model.save_pretrained(tmp_path)
     raw = load_file(str(tmp_path / "model.safetensors"))

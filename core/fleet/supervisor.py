@@ -9,8 +9,8 @@ Life of one engine position i (a `Slot` per incarnation):
              new actor (new pid, new port) ──► starting ──► on its first healthy answer: read
              its version and routes once (admission.py: a build lacking a route milepost
              drives fails the fleet at once, naming what is missing), load the weights the fleet
-             serves now (`fleet.served`), install its client in `fleet.clients[i]`, POST it to
-             the router and wait until GET /workers lists it healthy ──► serving
+             serves now (`fleet.served`), make it the fleet's engine i (`Fleet.replace_engine`),
+             POST it to the router and wait until GET /workers lists it healthy ──► serving
 
 Restarts are counted for the whole fleet; one death past `rollout.max_engine_restarts`
 sets `error` (naming the engine and quoting its log), which the fleet raises at the next
@@ -28,15 +28,14 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from milepost.core.config import RolloutConfig
-from milepost.core.engine.actor import EngineActor
-from milepost.core.engine.admission import EngineRefused, probe_engine
-from milepost.core.engine.client import EngineClient
+from milepost.core.engine_wire import LOAD_FAILED_EXIT, LOAD_FAILED_LINE
+from milepost.core.fleet.actor import EngineActor
+from milepost.core.fleet.admission import EngineRefused, probe_engine
+from milepost.core.fleet.client import EngineClient
 from milepost.core.weight_sync.lora_push import load_served
 
-LOAD_FAILED_EXIT = 3  # the built-in engine's exit status when its model fails to load (server.py)
-
 if TYPE_CHECKING:
-    from milepost.core.engine.fleet import Fleet
+    from milepost.core.fleet.fleet import Fleet
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +92,7 @@ class Slot:
     reason: str = ""
     timings: dict[str, float] = field(default_factory=dict)
     name: str = ""  # the actor's Ray name when the fleet is detached, else ""
-    version: str = ""  # the engine build, read at admission (core/engine/admission.py)
+    version: str = ""  # the engine build, read at admission (core/fleet/admission.py)
     device: str = ""  # where it serves ("cuda", "cpu"), read at admission
 
 
@@ -241,7 +240,7 @@ class FleetSupervisor:
         if status["alive"]:
             return None
         last = log_tail(slot.log_path, 1)
-        if status.get("exit_code") == LOAD_FAILED_EXIT and "model load failed" in last:
+        if status.get("exit_code") == LOAD_FAILED_EXIT and LOAD_FAILED_LINE in last:
             return last  # the built-in engine's own line: "model load failed: …"
         return f"engine process {slot.pid} exited with status {status.get('exit_code')}; last log line: {last}"
 
@@ -267,7 +266,7 @@ class FleetSupervisor:
                     if not reply.get("success", False):
                         return f"could not load the served weights {path}: {reply.get('message')}"
                     slot.model_path, slot.weight_version = path, version
-                self.fleet._install(slot.index, slot.client, slot.url, slot.actor)
+                self.fleet.replace_engine(slot.index, slot.client, slot.url, slot.actor)
                 # Serving from here on, inside the lock: the next push includes this engine.
                 self._set_state(slot, "serving", expect="starting")
                 router = self.fleet.router

@@ -18,7 +18,7 @@ import logging
 import time
 from typing import Any, Callable
 
-from milepost.core.engine.client import EngineClient, EngineError
+from milepost.core.fleet.client import EngineClient, EngineError
 
 log = logging.getLogger(__name__)
 

@@ -28,10 +28,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from milepost.core.config import LoraConfig, RolloutConfig
+from milepost.core.engine_wire import BUILTIN_ENGINE_MODULE
 from milepost.core.model.moe import is_moe_model
 from milepost.core.quant.modes import engine_flags
 
-ENGINE_MODULES = {"builtin": "milepost.core.engine.server", "sglang": "sglang.launch_server"}
+ENGINE_MODULES = {"builtin": BUILTIN_ENGINE_MODULE, "sglang": "sglang.launch_server"}
 # What the built-in engine cannot honour: a value other than the neutral one is refused, by
 # `check_supported` here (before any launch) and by the server's own argument parser.
 BUILTIN_UNSUPPORTED = {"tp_size": 1, "dp_size": None, "ep_size": None, "nnodes": 1, "node_rank": 0,

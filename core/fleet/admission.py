@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from milepost.core.engine_wire import bearer_header
+
 # POST-only in SGLang 0.5.23 (srt/entrypoints/http_server.py) and in the built-in engine.
 REQUIRED_POST_ROUTES = (
     "/generate", "/update_weights_from_disk", "/pause_generation", "/continue_generation",
@@ -38,7 +40,7 @@ class EngineCapabilities:
 
 def probe_engine(url: str, engine: str, admin_key: str | None = None, timeout_s: float = 10.0) -> EngineCapabilities:
     """The engine's version and routes, or `EngineRefused` naming its version and what is missing."""
-    headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else None
+    headers = bearer_header(admin_key) if admin_key else None
     with httpx.Client(base_url=url, timeout=timeout_s, headers=headers) as http:
         info = http.get("/server_info")
         if info.status_code == 404:

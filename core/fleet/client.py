@@ -17,8 +17,7 @@ from typing import Any
 
 import httpx
 
-from milepost.core.engine.http_guard import bearer_header
-
+from milepost.core.engine_wire import bearer_header
 
 FLUSH_MAX_ATTEMPTS = 60  # /flush_cache tries (Miles retries up to 60 times)
 FLUSH_BACKOFF_S = (0.05, 1.0)  # first wait between tries, doubled up to the second

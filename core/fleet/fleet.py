@@ -1,5 +1,5 @@
-"""A fleet of engines (built-in or SGLang, core/engine/launcher.py) owned by Ray actors, the real sglang-router in front, and a
-supervisor that keeps the engines alive for the whole stage.
+"""A fleet of engines (built-in or SGLang, core/fleet/launcher.py) owned by Ray actors, the
+real sglang-router in front, and a supervisor that keeps the engines alive for the whole stage.
 
 The caller owns Ray (ray.init() before Fleet.start). Generation goes through the router;
 control calls (pause, weight updates) go to each engine through `Fleet.clients`, because
@@ -15,7 +15,7 @@ cluster, or by `stop()`; `detach()` leaves it running.
 
 Admin key: `admin_key_path` names a file holding the engines' admin key (the campaign's
 secret, core/secrets.py). Each engine actor reads it and hands it to its engine in an
-owner-only `--config` YAML (never on argv; core/engine/launcher.py), the fleet's engine
+owner-only `--config` YAML (never on argv; core/fleet/launcher.py), the fleet's engine
 clients send it, the router's client does not; `describe()` (the record) holds neither key
 nor path.
 """
@@ -26,19 +26,19 @@ import contextlib
 import tempfile
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 
 import httpx
 import ray
 
 from milepost.core.config import LoraConfig, RolloutConfig
-from milepost.core.engine.actor import EngineActor, RouterActor
-from milepost.core.engine.client import EngineClient
-from milepost.core.engine.http_guard import read_key_file
-from milepost.core.engine.retrying import RetryingClient
-from milepost.core.engine.router import Router
-from milepost.core.engine.launcher import EngineCommand, engine_command, engine_gpus
-from milepost.core.engine.supervisor import FleetError, FleetSupervisor, Slot, stop_actors
+from milepost.core.engine_wire import read_key_file
+from milepost.core.fleet.actor import EngineActor, RouterActor
+from milepost.core.fleet.client import EngineClient
+from milepost.core.fleet.launcher import EngineCommand, engine_command, engine_gpus
+from milepost.core.fleet.retrying import RetryingClient
+from milepost.core.fleet.router import Router
+from milepost.core.fleet.supervisor import FleetError, FleetSupervisor, Slot, stop_actors
 from milepost.core.placement import Placement, actor_strategy, ensure_group, find_group
 from milepost.core.train.lora import is_adapter_folder
 from milepost.core.weight_sync.lora_push import ADAPTER_NAME, AdapterRequests, load_served
@@ -63,8 +63,8 @@ class Fleet:
 
     - `fleet.router_client` retries a /generate lost with a dead engine (same body, same
       sampling_seed: same tokens) and raises `FleetError` once the restart budget is spent.
-    - `fleet.clients` / `engine_urls` / `actors` are lists whose items the supervisor
-      replaces IN PLACE when it restarts an engine: hold the list, not its items.
+    - `fleet.clients` / `engine_urls` / `actors` are the engines now: a restart replaces
+      the lists (`replace_engine`), so read them from the fleet each time, never keep one.
     - A restarted engine loads `fleet.served`, the weights of the last successful push.
       `FleetTransport` records it; code pushing weights another way does so inside
       `with fleet.weight_push() as clients:` and calls `fleet.record_served(path, version)`
@@ -236,7 +236,7 @@ class Fleet:
         return {"name": f"{name}-{uuid.uuid4().hex[:8]}", "lifetime": "detached"}
 
     def engine_command(self, load_delay_s: float = 0.0) -> EngineCommand:
-        """The launch template of this fleet's engines (core/engine/launcher.py): what every
+        """The launch template of this fleet's engines (core/fleet/launcher.py): what every
         engine actor resolves on its node and runs. It starts from the base weights; an
         engine admitted later loads `served` (FleetSupervisor._admit)."""
         return engine_command(self.cfg, self.base_model_path, self.base_weight_version, colocated=self.colocated,
@@ -271,13 +271,18 @@ class Fleet:
         if self.on_change is not None:
             self.on_change(self.describe())
 
-    def _install(self, index: int, client: EngineClient, url: str, actor: Any) -> None:
-        """Called by the supervisor, holding `lock`: engine `index` is now this one."""
-        old = self.clients[index]
-        self.clients[index], self.engine_urls[index], self.actors[index] = client, url, actor
-        if old is not None and old is not client:
-            old.close()
-        self._changed()
+    def replace_engine(self, index: int, client: EngineClient, url: str, actor: Any) -> None:
+        """Engine `index` is now this one (the supervisor calls it holding `lock`, at
+        admission). The three lists are replaced, never changed in place: a list read
+        earlier stays as it was, consistent with itself."""
+        with self.lock:
+            old = self.clients[index]
+            self.clients = _with_item(self.clients, index, client)
+            self.engine_urls = _with_item(self.engine_urls, index, url)
+            self.actors = _with_item(self.actors, index, actor)
+            if old is not None and old is not client:
+                old.close()
+            self._changed()
 
     @contextlib.contextmanager
     def weight_push(self) -> Iterator[list[EngineClient]]:
@@ -330,6 +335,14 @@ class Fleet:
             if self.router_actor is not None:
                 ray.kill(self.router_actor, no_restart=True)  # its router dies with its process
             stop_actors([s.actor for s in self.supervisor.slots if s.actor is not None])
+
+
+T = TypeVar("T")
+
+
+def _with_item(items: list[T], index: int, item: T) -> list[T]:
+    """A copy of `items` with `item` at `index`."""
+    return [item if i == index else x for i, x in enumerate(items)]
 
 
 FLEET_ACTOR_PREFIXES = ("engine-", "router-")  # actor_options names: engine-<i>.<gen>-<hex>, router-<hex>

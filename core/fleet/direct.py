@@ -24,8 +24,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from milepost.core.engine.client import EngineClient, EngineError
-from milepost.core.engine.retrying import RetryingClient, is_retryable
+from milepost.core.fleet.client import EngineClient, EngineError
+from milepost.core.fleet.retrying import RetryingClient, is_retryable
 
 FAILED_COOLDOWN_S = 5.0
 

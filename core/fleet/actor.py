@@ -1,7 +1,7 @@
 """Engine and router processes, each owned by a Ray actor.
 
 `EngineActor.launch` starts one engine (built-in or SGLang: the same `EngineCommand` from
-core/engine/launcher.py) as a subprocess of the actor: its own process group, SIGKILLed
+core/fleet/launcher.py) as a subprocess of the actor: its own process group, SIGKILLed
 when the actor's process dies (PR_SET_PDEATHSIG, as the router), and its whole group
 killed by `stop`. `launch` returns as soon as the process runs; the engine answers 503 (or
 not at all) until its model is loaded. Waiting for it is the fleet supervisor's job, so one
@@ -26,8 +26,8 @@ from typing import Any
 
 import ray
 
-from milepost.core.engine.launcher import Deferred, EngineCommand, write_admin_config
-from milepost.core.engine.router import Router, _die_with_parent, free_port
+from milepost.core.fleet.launcher import Deferred, EngineCommand, write_admin_config
+from milepost.core.fleet.router import Router, _die_with_parent, free_port
 
 
 def node_ip() -> str:
@@ -60,7 +60,7 @@ class EngineActor:
         the admin key, read here and handed to the engine in an owner-only --config YAML that
         is deleted once the engine listens (the key itself never travels through Ray nor a
         command line)."""
-        from milepost.core.engine.http_guard import read_key_file
+        from milepost.core.engine_wire import read_key_file
 
         assert self.proc is None, "one engine per EngineActor"
         host = node_ip() if isinstance(command.host, Deferred) else command.host

@@ -1,0 +1,45 @@
+"""The built-in engine (core/engine/) and the fleet (core/fleet/) are two packages with one
+seam: the fleet reaches engines over HTTP and through their processes, so neither package
+imports the other; what both need is in core/engine_wire.py."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CORE = Path(__file__).resolve().parents[2] / "core"
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module `path` imports, at any depth (lazy imports included)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+@pytest.mark.parametrize(("package", "forbidden"), [("fleet", "milepost.core.engine."),
+                                                    ("engine", "milepost.core.fleet")])
+def test_neither_package_imports_the_other(package: str, forbidden: str) -> None:
+    crossing = {f"{path.name}: {name}" for path in sorted((CORE / package).glob("*.py"))
+                for name in imported_modules(path) if name.startswith(forbidden) or name == forbidden.rstrip(".")}
+    assert not crossing, f"core/{package}/ imports across the seam (use core/engine_wire.py): {sorted(crossing)}"
+
+
+def test_the_launcher_runs_the_module_that_serves() -> None:
+    """The fleet names the built-in engine's module as a string; that module's parser is
+    the engine's own (a rename would otherwise surface only when a fleet starts)."""
+    from milepost.core.engine_wire import BUILTIN_ENGINE_MODULE
+    from milepost.core.fleet.launcher import ENGINE_MODULES
+
+    assert ENGINE_MODULES["builtin"] == BUILTIN_ENGINE_MODULE
+    done = subprocess.run([sys.executable, "-m", BUILTIN_ENGINE_MODULE, "--help"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and "--model-path" in done.stdout, done.stderr
