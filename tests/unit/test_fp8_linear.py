@@ -185,3 +185,13 @@ def test_the_compiled_casts_the_gpu_uses_equal_the_eager_ones_bit_for_bit() -> N
         q, s = _compiled_quantize(dtype, dim, transpose)(x)
         q0, s0 = quantize_t(x, dtype, dim, transpose)
         assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0)
+
+
+def test_the_megatron_build_log_counts_each_bf16_fallback_reason_once() -> None:
+    from milepost.core.train.megatron.fp8 import Fp8Layers
+    odd = "in_features 120 not a multiple of 16 (torch._scaled_mm)"
+    layers = Fp8Layers(fp8=["decoder.layers.0.self_attention.linear_qkv"],
+                       bf16={"output_layer": "kept in bf16: the output layer",
+                             "decoder.layers.0.mlp.linear_fc2": odd, "decoder.layers.1.mlp.linear_fc2": odd})
+    assert layers.describe() == ("1 linear layer(s) through torch._scaled_mm, 3 in bf16 (2 layer(s): in_features 120 "
+                                 "not a multiple of 16 (torch._scaled_mm); 1 layer(s): kept in bf16: the output layer)")
