@@ -19,7 +19,7 @@ import threading
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from milepost.core.train.lora import PEFT_PREFIX, matches, read_adapter
+
+if TYPE_CHECKING:  # types only: the scheduler imports the parts of the engine
+    from milepost.core.engine.scheduler import Scheduler
 
 NOT_ENABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
 
@@ -168,7 +171,7 @@ def requested_adapters(body: dict[str, Any], num_inputs: int) -> list[str | None
     raise ValueError(f"`lora_path` must be an adapter name, or a list of {num_inputs} names (or nulls)")
 
 
-def add_lora_routes(app: FastAPI, sched: Any) -> None:
+def add_lora_routes(app: FastAPI, sched: Scheduler) -> None:
     """SGLang's adapter routes (admin endpoints: the guard asks for the admin key)."""
 
     async def reply(ok: bool, message: str) -> JSONResponse:

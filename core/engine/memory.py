@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from milepost.core.engine.weight_receiver import Reply
+
+if TYPE_CHECKING:  # types only: the scheduler imports the parts of the engine
+    from milepost.core.engine.scheduler import Scheduler
 
 TAGS = ("weights", "kv_cache", "cuda_graph")
 IDLE_WAIT_S = 5.0
@@ -47,7 +50,7 @@ def parse_tags(body: dict[str, Any]) -> list[str] | str:
 class MemoryOccupation:
     """Which memory the engine has given back; `lock` serialises release and resume."""
 
-    def __init__(self, sched: Any) -> None:
+    def __init__(self, sched: Scheduler) -> None:
         self.sched = sched
         self.lock = threading.Lock()
         self.released: set[str] = set()

@@ -26,7 +26,7 @@ layer the dequantised one. Float32 values survive JSON exactly, so callers compa
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from milepost.core.quant.int4 import dequantize_int4, pack_int4, quantize_int4, quantized_linears, unpack_int4
+
+if TYPE_CHECKING:  # types only: the scheduler imports the parts of the engine
+    from milepost.core.engine.scheduler import Scheduler
 
 QUANTIZATIONS = ("int4",)
 
@@ -107,7 +110,7 @@ def served_rows(model: torch.nn.Module, name: str, truncate_size: int) -> list[A
     return tensor.detach().to("cpu", torch.float32).tolist()[:truncate_size]
 
 
-def add_weights_route(app: FastAPI, sched: Any) -> None:
+def add_weights_route(app: FastAPI, sched: Scheduler) -> None:
     """`/get_weights_by_name` (an admin endpoint: the guard asks for the admin key)."""
 
     @app.api_route("/get_weights_by_name", methods=["GET", "POST"])

@@ -12,13 +12,16 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
 from milepost.core.engine.group_receiver import GroupReceiver
 from milepost.core.engine.shm_leases import Lease, LeaseError, ShmFiles
 from milepost.core.weight_sync import wire
+
+if TYPE_CHECKING:  # types only: the scheduler imports the parts of the engine
+    from milepost.core.engine.scheduler import Scheduler
 
 log = logging.getLogger("milepost.engine")
 
@@ -67,7 +70,7 @@ class WeightReceiver:
     group's timeout.
     """
 
-    def __init__(self, sched: Any, timeout_s: float = 300.0) -> None:
+    def __init__(self, sched: Scheduler, timeout_s: float = 300.0) -> None:
         """`timeout_s`: idle time after which a session is stale, and the weight-update
         group's timeout (rendezvous and every broadcast)."""
         self.sched, self.session_timeout_s, self.group_timeout_s = sched, timeout_s, timeout_s

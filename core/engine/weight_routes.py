@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -22,6 +22,9 @@ from fastapi.responses import JSONResponse
 from milepost.core.engine.weight_receiver import Reply, WeightReceiver
 from milepost.core.weight_sync import sglang_wire, wire
 from milepost.core.weight_sync.groups import check_streams
+
+if TYPE_CHECKING:  # types only: the scheduler imports the parts of the engine
+    from milepost.core.engine.scheduler import Scheduler
 
 _REQUIRED = object()
 GROUP = "weight_update_group"  # SGLang's default group name
@@ -99,7 +102,7 @@ def load_tensor_payload(receiver: WeightReceiver, blob: Any) -> str:
     return receiver.load_shm(wire.decode_shm_descriptor(blob))
 
 
-def add_weight_routes(app: FastAPI, sched: Any, receiver: WeightReceiver) -> None:
+def add_weight_routes(app: FastAPI, sched: Scheduler, receiver: WeightReceiver) -> None:
     """Register the session endpoints on `app`; `sched` answers `ready`."""
 
     async def run(request: Request, handler: Callable[[dict], Reply], skip_if_gone: bool = False) -> JSONResponse:
