@@ -15,8 +15,9 @@ Printed per round: bytes, checkpoint seconds split into payload (the backend's w
 manifest (fsync + sha256 of every file; it re-reads what was just written) and commit
 (rename, latest), verify (a resume's deep check of the new checkpoint: the sha256 of every
 file, read from the page cache: the hashing inside the manifest phase; the rest of that phase
-is fsync, i.e. the disk writing the payload's buffered bytes), raw seconds, and raw / checkpoint (the checkpoint's fraction of raw write
-speed, 1.0 = as fast as the disk takes plain bytes). The median of the rounds is the result.
+is fsync, i.e. the disk writing the payload's buffered bytes), raw seconds, and raw / checkpoint
+(the checkpoint's fraction of raw write speed, 1.0 = as fast as the disk takes plain bytes). The
+median of the rounds is the result.
 
 The model is random (no hub): `gpu-arith` is builtin:gpu-arith's shape (75.5 M parameters),
 `qwen2-0.5b` the 494 M Qwen2 shape of bench/engine_gpu.py. CPU: the torch backend, one rank
@@ -66,10 +67,10 @@ def random_samples(n: int, vocab: int, seed: int) -> list[Sample]:
     out = []
     for i in range(n):
         resp = [rng.randrange(2, vocab) for _ in range(8)]
-        out.append(Sample(prompt_index=i // 4, group_index=i // 4, prompt_ids=[rng.randrange(2, vocab) for _ in range(8)],
-                          response_ids=resp, engine_logprobs=[-3.0] * len(resp), loss_mask=[1] * len(resp),
-                          finish_reason="stop", weight_version="0", label="", reward=rng.random(),
-                          advantage=rng.uniform(-1, 1)))
+        prompt = [rng.randrange(2, vocab) for _ in range(8)]
+        out.append(Sample(prompt_index=i // 4, group_index=i // 4, prompt_ids=prompt, response_ids=resp,
+                          engine_logprobs=[-3.0] * len(resp), loss_mask=[1] * len(resp), finish_reason="stop",
+                          weight_version="0", label="", reward=rng.random(), advantage=rng.uniform(-1, 1)))
     return out
 
 
@@ -141,7 +142,8 @@ def run(args: argparse.Namespace) -> list[str]:
         for i, row in enumerate(rows):
             gb = row["bytes"] / 1e9
             lines.append(f"{i:>5} {row['bytes'] / 1e6:>8.1f} {row['total_s']:>8.2f} {row['payload_s']:>9.2f} "
-                         f"{row['manifest_commit_s']:>17.2f} {row['verify_s']:>8.2f} {row['raw_s']:>7.2f} {gb / row['total_s']:>9.2f} "
+                         f"{row['manifest_commit_s']:>17.2f} {row['verify_s']:>8.2f} {row['raw_s']:>7.2f} "
+                         f"{gb / row['total_s']:>9.2f} "
                          f"{gb / row['raw_s']:>8.2f} {row['ratio']:>8.2f}")
         med = statistics.median(r["ratio"] for r in rows)
         lines.append(f"checkpoint's fraction of raw write speed (raw_s / ckpt_s), median of {len(rows)}: {med:.2f}")

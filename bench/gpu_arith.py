@@ -29,10 +29,11 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stage_jobs import KillPlan, StageJobs, write_json_atomic
+
 from milepost.core.data.epoch import epoch_coverage
 from milepost.core.recipe_io import load_recipe
 from milepost.core.records import BLOCK_STAGES, Stage
-from stage_jobs import KillPlan, StageJobs, write_json_atomic
 
 DEFAULT_RECIPE = "recipes/gpu-arith.yaml"
 

@@ -54,10 +54,11 @@ import logging
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -138,8 +139,12 @@ def _manifest_for(folder: Path) -> dict[str, Any]:
     paths = _payload_files(folder)
     # The fsyncs wait on the disk, the hashes on the CPU (reading the page cache): one thread
     # syncs while the others hash, so the manifest costs about the larger of the two, not the sum.
+    def sync_all() -> None:
+        for p in paths:
+            _fsync_file(p)
+
     with ThreadPoolExecutor(HASH_THREADS + 1) as pool:
-        synced = pool.submit(lambda: [_fsync_file(p) for p in paths])
+        synced = pool.submit(sync_all)
         digests = list(pool.map(_sha256, paths))
         synced.result()
     files = {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "sha256": d}
@@ -222,7 +227,8 @@ def _space_problem(root: Path, error: BaseException, needed_bytes: int) -> str |
     free = st.f_bavail * st.f_frsize
     if code in (errno.ENOSPC, errno.EDQUOT) or free < max(needed_bytes, 64 << 20):
         return (f"the filesystem of {root} is full ({free / 2**20:.1f} MiB free, this checkpoint needs more than "
-                f"{needed_bytes / 2**20:.1f} MiB): free space there (or lower checkpoint.keep_last) and rerun the stage")
+                f"{needed_bytes / 2**20:.1f} MiB): free space there (or lower checkpoint.keep_last) and rerun the "
+                "stage")
     return None
 
 
@@ -307,7 +313,8 @@ class CheckpointManager:
         """The message of a failed save: what failed, what is kept, why (room or limits), what to do."""
         previous = self._read_pointer()[0]
         kept = f"`latest` still names step {previous}" if previous is not None else "no checkpoint was committed before"
-        what = f"checkpoint of step {step} was not saved ({type(error).__name__}: {error}); nothing of it is committed and {kept}."
+        what = (f"checkpoint of step {step} was not saved ({type(error).__name__}: {error}); nothing of it is "
+                f"committed and {kept}.")
         why = _space_problem(self.root, error, written_bytes)
         todo = f"Likely cause: {why}" if why else "Fix the cause above and rerun the stage"
         return f"{what} {todo}; it then resumes from the previous checkpoint."

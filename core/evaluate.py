@@ -28,9 +28,11 @@ def evaluate_fleet(recipe: Recipe, fleet: Any, model_path: str) -> dict[str, flo
     samples = default_rollout(request, fleet.router_client)
     rewards = RewardEvaluator(resolve_reward_fn(recipe.reward.function), recipe.reward.num_workers)
     scores = rewards.score(samples)
-    result = {"accuracy": sum(1.0 for s in scores if s > 0.5) / max(1, len(scores)), "num_prompts": float(len(scores))}
+    result = {"accuracy": sum(1.0 for s in scores if s > 0.5) / max(1, len(scores)),
+              "num_prompts": float(len(scores))}
     if is_builtin_arith(recipe.data.eval_path):  # the value right whatever the form (core/data/arith.py)
-        result["either_form"] = sum(either_form_correct(s.response_text, s.label) for s in samples) / max(1, len(samples))
+        right = sum(either_form_correct(s.response_text, s.label) for s in samples)
+        result["either_form"] = right / max(1, len(samples))
     return result
 
 

@@ -63,7 +63,7 @@ class FilterChain:
     filters: tuple[tuple[str, FilterFn], ...]
 
     @classmethod
-    def from_config(cls, cfg: FilterConfig) -> "FilterChain":
+    def from_config(cls, cfg: FilterConfig) -> FilterChain:
         """Resolves every filter now: a bad name or signature fails at start-up."""
         chain: list[tuple[str, FilterFn]] = []
         if cfg.drop_zero_variance_groups:

@@ -84,7 +84,7 @@ class Hooks:
     on_block_end: tuple[tuple[str, OnBlockEnd], ...] = ()
 
     @classmethod
-    def from_config(cls, cfg: HooksConfig) -> "Hooks":
+    def from_config(cls, cfg: HooksConfig) -> Hooks:
         """Resolves every hook now: a bad name or signature fails at start-up."""
         return cls(tuple((s, ON_ROLLOUT.resolve(s)) for s in cfg.on_rollout),
                    tuple((s, ON_STEP_END.resolve(s)) for s in cfg.on_step_end),
@@ -93,24 +93,24 @@ class Hooks:
 
     def rollout(self, samples: Sequence[Sample], context: StepContext) -> None:
         for spec, fn in self.on_rollout:
-            _call("on_rollout", spec, lambda: fn(tuple(samples), context))
+            _call("on_rollout", spec, fn, tuple(samples), context)
 
     def step_end(self, metrics: Mapping[str, object], context: StepContext) -> None:
         for spec, fn in self.on_step_end:
-            _call("on_step_end", spec, lambda: fn(MappingProxyType(dict(metrics)), context))
+            _call("on_step_end", spec, fn, MappingProxyType(dict(metrics)), context)
 
     def checkpoint(self, checkpoint: CommittedCheckpoint, context: StepContext) -> None:
         for spec, fn in self.on_checkpoint:
-            _call("on_checkpoint", spec, lambda: fn(checkpoint, context))
+            _call("on_checkpoint", spec, fn, checkpoint, context)
 
     def block_end(self, block: BlockInfo, context: StepContext) -> None:
         for spec, fn in self.on_block_end:
-            _call("on_block_end", spec, lambda: fn(block, context))
+            _call("on_block_end", spec, fn, block, context)
 
 
-def _call(event: str, spec: str, call: Callable[[], None]) -> None:
+def _call(event: str, spec: str, hook: Callable[..., None], *args: object) -> None:
     try:
-        call()
-    except Exception as e:  # noqa: BLE001 - any error of user code names the hook
+        hook(*args)
+    except Exception as e:  # any error of user code names the hook
         raise HookError(f"hooks.{event} `{spec}` raised {type(e).__name__}: {e}; fix the hook, then run "
                         "again: the campaign resumes from its last checkpoint") from e

@@ -15,10 +15,11 @@ sync mode on CPU, and with every prompt trained exactly once in both modes.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterator
+from typing import Any
 
 import torch
 
@@ -26,13 +27,14 @@ from milepost.core.algo.advantages import WHOLE_BATCH, compute_advantages
 from milepost.core.checkpoint import CheckpointManager
 from milepost.core.config import Recipe
 from milepost.core.data.source import PromptSource
-from milepost.core.fleet.client import EngineClient
 from milepost.core.filters import FilterChain
+from milepost.core.fleet.client import EngineClient
 from milepost.core.hooks import CommittedCheckpoint, Hooks
 from milepost.core.reward import RewardEvaluator, split_failed
 from milepost.core.rollout import RolloutFn, RolloutRequest, sampling_params_from
 from milepost.core.rollout_ahead import Chunk, RolloutAhead
 from milepost.core.step_context import StepContext
+from milepost.core.train.backend import TrainBackend
 from milepost.core.types import Prompt, Sample
 from milepost.core.weight_sync import WeightTransport
 
@@ -86,13 +88,13 @@ def summarize_rollout(samples: list[Sample]) -> dict[str, float]:
 
 
 class RLLoop:
-    def __init__(self, recipe: Recipe, *, backend: Any, router: EngineClient,
+    def __init__(self, recipe: Recipe, *, backend: TrainBackend, router: EngineClient,
                  engines: list[EngineClient], source: PromptSource, rollout_fn: RolloutFn,
                  rewards: RewardEvaluator, transport: WeightTransport,
                  checkpoints: CheckpointManager, exports_dir: Path, stop_token_ids: list[int],
                  decode: Callable[[list[int]], str], state: LoopState,
                  on_metrics: Callable[[dict[str, Any]], None],
-                 engines_asleep: Callable[[], ContextManager[None]] | None = None,
+                 engines_asleep: Callable[[], AbstractContextManager[None]] | None = None,
                  on_commit: Callable[[int], None] | None = None,
                  filters: FilterChain | None = None, hooks: Hooks | None = None,
                  routed_experts: bool = False) -> None:

@@ -22,8 +22,9 @@ of the responses it continues, so the same cuts at the same places continue the 
 from __future__ import annotations
 
 import base64
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from milepost.core.algo.routing_replay import merge_routes
 from milepost.core.types import Prompt

@@ -21,10 +21,12 @@ before this rule (sample j of a prompt used s + j), and the n requests go out at
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
+from milepost.core.config import RolloutConfig
 from milepost.core.fleet.client import EngineClient
 from milepost.core.partial_rollout import PartialResponse, continue_cut_responses
 from milepost.core.plugins import Registry
@@ -48,7 +50,7 @@ class RolloutFn(Protocol):
     def __call__(self, request: RolloutRequest, router: EngineClient) -> list[Sample]: ...
 
 
-def sampling_params_from(cfg: Any, stop_token_ids: list[int], greedy: bool = False,
+def sampling_params_from(cfg: RolloutConfig, stop_token_ids: list[int], greedy: bool = False,
                          max_new_tokens: int | None = None) -> dict[str, Any]:
     return {
         "temperature": 0.0 if greedy else cfg.temperature,
@@ -72,7 +74,7 @@ def default_rollout(request: RolloutRequest, router: EngineClient) -> list[Sampl
     n = request.num_samples_per_prompt
     chunks = _chunks(request.prompts, max(1, request.num_engines))
     offsets = [sum(len(c) for c in chunks[:i]) for i in range(len(chunks))]
-    routing = {"return_routed_experts": True} if request.return_routed_experts else {}
+    routing: dict[str, Any] = {"return_routed_experts": True} if request.return_routed_experts else {}
 
     def generate(chunk_index: int) -> list[PartialResponse]:
         chunk = chunks[chunk_index]

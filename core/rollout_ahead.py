@@ -38,9 +38,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from milepost.core.data.source import PromptSource
 from milepost.core.types import Prompt, Sample
@@ -67,7 +68,7 @@ class Chunk:
                 "min_version": self.min_version}
 
     @classmethod
-    def from_dict(cls, doc: dict[str, Any]) -> "Chunk":
+    def from_dict(cls, doc: dict[str, Any]) -> Chunk:
         samples = doc["samples"]
         return cls(index=int(doc["index"]), prompts=[Prompt(**p) for p in doc["prompts"]],
                    samples=None if samples is None else [Sample.from_dict(s) for s in samples],

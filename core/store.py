@@ -19,6 +19,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 import fsspec
+
 from milepost.core.errors import UserError
 from milepost.core.records import (
     RECIPE_DOC,
@@ -87,6 +88,7 @@ class CampaignStore:
         """The campaign's recipe as its first run stored it, validated by the current schema.
         NotACampaignError when there is none; RecipeError when it no longer validates."""
         import yaml
+
         from milepost.core.recipe_io import recipe_from_dict
 
         if not self.is_campaign():

@@ -54,5 +54,5 @@ class Sample:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, row: dict[str, Any]) -> "Sample":
+    def from_dict(cls, row: dict[str, Any]) -> Sample:
         return cls(**row)

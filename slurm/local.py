@@ -10,20 +10,21 @@ reap it and read its exit status.
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-import submitit
 import psutil
+import submitit
 from submitit.core.utils import pickle_load
+from submitit.local.local import LocalJob
 
 from milepost.slurm.executor import SubmititJobHandle, Task, as_function
 from milepost.slurm.options import Resources
 from milepost.slurm.state import JobState, Outcome
-
 
 CANCEL_KILL_WAIT_S = 10.0  # Slurm's KillWait is 30 s; a local task has less to flush
 
@@ -35,8 +36,13 @@ class LocalJobHandle(SubmititJobHandle):
         self._time_limit_s = time_limit_s
         self._cancelled = False
 
+    @property
+    def _process(self) -> subprocess.Popen | None:
+        """The controller process (a LocalExecutor's job is a LocalJob)."""
+        return cast(LocalJob[Any], self._job)._process
+
     def state(self) -> JobState:
-        process = self._job._process
+        process = self._process
         assert process is not None, "a local job handle only lives in the process that submitted it"
         if process.poll() is None:
             return JobState(self.job_id, Outcome.RUNNING, "RUNNING")
@@ -64,7 +70,7 @@ class LocalJobHandle(SubmititJobHandle):
         timer.start()
 
     def _kill_if_alive(self) -> None:
-        process = self._job._process
+        process = self._process
         if process is None or process.poll() is not None:
             return
         try:

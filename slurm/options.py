@@ -8,11 +8,16 @@ Slurm 22.05, so a typo fails at the door with the list of valid names.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from milepost.core.config import (  # noqa: F401 - re-exported: the recipe owns these
-    EXTRA_DIRECTIVES, RESERVED_DIRECTIVES, TYPED_DIRECTIVES, DirectiveValue, SlurmOptions,
-    check_directive_value)
+    EXTRA_DIRECTIVES,
+    RESERVED_DIRECTIVES,
+    TYPED_DIRECTIVES,
+    DirectiveValue,
+    SlurmOptions,
+    check_directive_value,
+)
 
 
 class Resources(BaseModel):

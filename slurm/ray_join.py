@@ -13,6 +13,7 @@ means "the cluster is complete".
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -52,7 +53,7 @@ def _connect(address: str, deadline: float, interval_s: float) -> None:
 
     while True:
         try:
-            ray.init(address=address, log_to_driver=False, logging_level="WARNING")
+            ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
             return
         except (ConnectionError, RuntimeError) as e:
             if time.monotonic() > deadline:

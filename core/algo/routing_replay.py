@@ -22,8 +22,9 @@ fraction of recorded (token, layer) routes the trainer's own top-k equals, as se
 from __future__ import annotations
 
 import base64
-from contextlib import nullcontext
-from typing import Any, Callable, ContextManager
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import numpy as np
 import torch
@@ -86,7 +87,7 @@ class RankReplay:
         self.tap, self.force = tap, force
 
     @classmethod
-    def attach(cls, module: torch.nn.Module, force: bool) -> "RankReplay | None":
+    def attach(cls, module: torch.nn.Module, force: bool) -> RankReplay | None:
         """None for a dense model; `force` (algo.routing_replay) on a dense model is an error."""
         tap = RouterTap.install(module)
         if tap is None and force:
@@ -97,7 +98,7 @@ class RankReplay:
     def routes(self, samples: list[Sample], batch: dict[str, Tensor]) -> Tensor | None:
         return batch_routes(samples, batch["input_ids"].shape[1], self.tap.num_layers, self.tap.top_k)
 
-    def applied(self, routes: Tensor | None, force: bool | None = None) -> ContextManager[None]:
+    def applied(self, routes: Tensor | None, force: bool | None = None) -> AbstractContextManager[None]:
         """The forward inside routes by `routes` (forced, or compared only)."""
         if routes is None:
             return nullcontext()

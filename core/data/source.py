@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 import fsspec
 import numpy as np
@@ -119,8 +120,8 @@ def _parse_jsonl(raw: bytes, path: str) -> list[tuple[str, dict[str, Any]]]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = raw[:e.start].count(b"\n") + 1
-        raise DatasetError(f"{path}: line {line} is not UTF-8 text (byte {e.start}); JSONL is UTF-8: "
+        line_no = raw[:e.start].count(b"\n") + 1
+        raise DatasetError(f"{path}: line {line_no} is not UTF-8 text (byte {e.start}); JSONL is UTF-8: "
                            "re-encode the file, or name a .parquet file") from None
     rows = []
     for number, line in enumerate(text.splitlines(), start=1):
@@ -160,7 +161,7 @@ class DataCursor:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, doc: dict[str, int]) -> "DataCursor":
+    def from_dict(cls, doc: dict[str, int]) -> DataCursor:
         expected = {"epoch", "offset", "shuffle_seed", "num_rows"}
         if set(doc) != expected:
             raise ValueError(f"data cursor has keys {sorted(doc)}, expected {sorted(expected)}: "

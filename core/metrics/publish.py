@@ -44,7 +44,8 @@ def _mlflow_sink(recipe: Recipe, store: CampaignStore) -> MetricSink:
 
     config = recipe.metrics.mlflow
     local = config.tracking_uri is None
-    uri = default_tracking_uri(store.local_path("metrics", "mlflow")) if local else config.tracking_uri
+    uri = (default_tracking_uri(store.local_path("metrics", "mlflow")) if config.tracking_uri is None
+           else config.tracking_uri)
     artifacts = store.local_path("metrics", "mlflow", "artifacts") if local else None
     return MlflowSink(uri, config.experiment or recipe.campaign.name, campaign_url=store.url,
                       run_name=posixpath.basename(store.url) or recipe.campaign.name,

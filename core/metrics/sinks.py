@@ -16,7 +16,8 @@ left behind, not fatal: it is read back again at the next publish and catches up
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Mapping, Protocol
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 

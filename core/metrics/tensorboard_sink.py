@@ -6,7 +6,8 @@ reads the folder as one run."""
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from milepost.core.metrics.sinks import Held
 

@@ -63,7 +63,8 @@ def cached_model_dir(cfg: GpuArithConfig, seed: int) -> Path:
 
 def build_gpu_arith_model(cfg: GpuArithConfig, seed: int) -> str:
     """The cached model folder for (cfg, seed), built (and warm-started) on first use."""
-    return tiny.build_cached(cached_model_dir(cfg, seed), lambda tmp: tiny._train_and_save(cfg, seed, tmp, task=task(cfg)))
+    return tiny.build_cached(cached_model_dir(cfg, seed),
+                             lambda tmp: tiny._train_and_save(cfg, seed, tmp, task=task(cfg)))
 
 
 def num_parameters(cfg: GpuArithConfig) -> int:

@@ -10,13 +10,17 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
 
 from milepost.core.config import ModelConfig
 from milepost.core.data.arith import cache_root
 from milepost.core.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
 
 BUILTIN_MODELS = ("builtin:tiny-arith", "builtin:tiny-arith-moe", "builtin:gpu-arith")
 # What makes a folder an HF checkpoint the engines and trainers can load: weights (one file,
@@ -152,7 +156,7 @@ def load_tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
-def load_causal_lm(path: str, dtype: Any = None) -> Any:
+def load_causal_lm(path: str, dtype: torch.dtype | None = None) -> PreTrainedModel:
     """`dtype`: a torch dtype, float32 by default. torch is imported here, not at module level,
     so validation (check_model_path) stays light for the command line."""
     import torch

@@ -20,8 +20,9 @@ probabilities are the values torch.topk returns). Concurrency: a tap belongs to 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -39,8 +40,9 @@ class RouterTap:
         if not routers:
             raise ValueError("RouterTap needs an MoE model (no top-k router module found)")
         self.routers = routers
-        self.num_layers, self.top_k = len(routers), int(routers[0].top_k)
-        self.num_experts = int(routers[0].num_experts)
+        first: Any = routers[0]  # a top-k router (find_routers): top_k and num_experts are ints
+        self.num_layers, self.top_k = len(routers), int(first.top_k)
+        self.num_experts = int(first.num_experts)
         self._taken: list[Tensor | None] = [None] * self.num_layers
         self._recorded: Tensor | None = None  # [layers, tokens, top_k], -1 where none
         self._force = False
@@ -49,7 +51,7 @@ class RouterTap:
             router.forward = self._make_forward(layer, router)  # instance attribute: this model only
 
     @classmethod
-    def install(cls, model: torch.nn.Module) -> "RouterTap | None":
+    def install(cls, model: torch.nn.Module) -> RouterTap | None:
         """A tap on `model`'s routers, or None when the model has none (dense)."""
         routers = find_routers(model)
         return cls(routers) if routers else None

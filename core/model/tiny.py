@@ -57,7 +57,8 @@ def build_tokenizer() -> Any:
 
 def _model_config(cfg: TinyModelConfig, tokenizer: Any) -> Any:
     from transformers import Qwen2Config
-    return Qwen2Config(vocab_size=len(tokenizer), hidden_size=cfg.hidden_size,
+    # torch_dtype: a key transformers takes through **kwargs (not a field of every version)
+    return Qwen2Config(vocab_size=len(tokenizer), hidden_size=cfg.hidden_size,  # type: ignore[call-arg]
                        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
                        num_key_value_heads=cfg.num_kv_heads, intermediate_size=cfg.intermediate_size,
                        max_position_embeddings=64, tie_word_embeddings=True,

@@ -26,7 +26,8 @@ BUILD_VERSION = 1
 def moe_hf_config(cfg: TinyModelConfig, moe: TinyMoeConfig, vocab_size: int, pad_id: int, eos_id: int) -> Any:
     """The Qwen3MoeConfig of the tiny MoE: every layer sparse, head_dim from the hidden size."""
     from transformers import Qwen3MoeConfig
-    return Qwen3MoeConfig(
+    # head_dim and torch_dtype: keys transformers takes through **kwargs (not fields of every version)
+    return Qwen3MoeConfig(  # type: ignore[call-arg]
         vocab_size=vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
         num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.hidden_size // cfg.num_heads,

@@ -74,7 +74,7 @@ def warmstart(model: Any, tokenizer: Any, rows: list[dict[str, str]], targets: l
     load-balancing loss, so every expert keeps being used and routing stays a real choice."""
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
-    opt = torch.optim.AdamW(model.parameters(), lr=schedule.lr, **({"fused": True} if cuda else {}))
+    opt = torch.optim.AdamW(model.parameters(), lr=schedule.lr, fused=True if cuda else None)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_factor(schedule))
     loss = torch.tensor(float("nan"))
     bs = schedule.batch_size

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from milepost.core.config import Recipe
 from milepost.core.plan.arch import Architecture
@@ -93,7 +94,7 @@ def train_layout(recipe: Recipe) -> TrainLayout:
     t, r = recipe.train, recipe.rollout
     seq = r.max_prompt_tokens + r.max_new_tokens
     per_step = r.prompts_per_step * r.num_samples_per_prompt * seq
-    lora = dict(lora_rank=t.lora.rank, lora_targets=tuple(t.lora.target_modules)) if t.lora else {}
+    lora: dict[str, Any] = dict(lora_rank=t.lora.rank, lora_targets=tuple(t.lora.target_modules)) if t.lora else {}
     if t.backend == "torch":  # DDP: whole model on every rank, fp32 parameters
         return TrainLayout(backend="torch", num_ranks=t.num_ranks, precision="fp32",
                            micro_batch_tokens=t.micro_batch_size * seq, seq_tokens=seq, tokens_per_step=per_step,

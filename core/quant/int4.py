@@ -78,11 +78,11 @@ class _FakeQuantInt4(torch.autograd.Function):
     again and would not equal the served weight bit for bit."""
 
     @staticmethod
-    def forward(ctx, w: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx, w: Tensor) -> Tensor:
         return dequantize_int4(*quantize_int4(w), dtype=w.dtype)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:  # type: ignore[override]
+    def backward(ctx, grad: Tensor) -> Tensor:
         return grad
 
 
@@ -112,7 +112,8 @@ def quantized_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
     """The Linear layers both sides quantise, by qualified name: every `nn.Linear` but the
     output head (`get_output_embeddings()`, or a module named `lm_head`) and MoE routers
     (modules named `gate`, whose outputs pick experts)."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    output_embeddings = getattr(model, "get_output_embeddings", None)  # a transformers model's
+    head = output_embeddings() if output_embeddings is not None else None
     return {name: m for name, m in model.named_modules()
             if isinstance(m, torch.nn.Linear) and m is not head
             and name.rsplit(".", 1)[-1] not in ("lm_head", "gate")}

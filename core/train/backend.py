@@ -1,14 +1,19 @@
-"""The train backend contract the loop talks to; `torch_backend.TorchBackend` implements it."""
+"""The train backend contract the loop talks to; `torch_backend.TorchBackend` and
+`megatron.backend.MegatronBackend` implement it."""
 
 from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
 from milepost.core.types import Sample
+from milepost.core.weight_sync.base import WeightSource
 
 
 @runtime_checkable
-class TrainBackend(Protocol):
+class TrainBackend(WeightSource, Protocol):
+    """Trains the policy, checkpoints it, and (as a WeightSource) hands its weights to the
+    tensor and distributed transports."""
+
     def train_step(self, samples: list[Sample], step: int) -> dict[str, float]:
         """One optimizer step on this rollout batch. Returns metrics: 'train/loss',
         'train/grad_norm' (before clipping), 'train/lr' (used this step), 'train/num_tokens',

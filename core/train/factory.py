@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from milepost.core.config import AlgoConfig, TrainConfig
+from milepost.core.train.backend import TrainBackend
+
+if TYPE_CHECKING:
+    from ray.util.placement_group import PlacementGroup
 
 
 def create_backend(model_path: str, train_cfg: TrainConfig, algo_cfg: AlgoConfig, temperature: float, seed: int,
-                   total_steps: int | None = None, placement_group: Any = None, precision: str = "fp32",
-                   rank_gpus: list[float] | None = None) -> Any:
+                   total_steps: int | None = None, placement_group: PlacementGroup | None = None,
+                   precision: str = "fp32", rank_gpus: list[float] | None = None) -> TrainBackend:
     """A started TrainBackend: TorchBackend for "torch", MegatronBackend for "megatron".
     `placement_group` (core/placement.py) places the ranks on their bundles, each asking
     `rank_gpus[r]` GPUs of it (Placement.rank_gpus; the torch backend trains on CPU);

@@ -20,8 +20,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
 from safetensors.torch import load_file, save_file

@@ -20,7 +20,8 @@
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager
+from contextlib import AbstractContextManager
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from milepost.core.quant.int4 import fake_quantize_int4, quantized_linears
 
 
-def autocast(precision: str, device_type: str = "cpu") -> ContextManager[object]:
+def autocast(precision: str, device_type: str = "cpu") -> AbstractContextManager[object]:
     """The context a forward runs in: bf16 autocast for `bf16`, nothing otherwise."""
     if precision == "bf16":
         return torch.autocast(device_type, dtype=torch.bfloat16)
@@ -55,7 +56,10 @@ def attach_int4_qat(model: torch.nn.Module) -> list[str]:
     return sorted(layers)
 
 
-def prepare_model(model: torch.nn.Module, precision: str) -> torch.nn.Module:
+ModelT = TypeVar("ModelT", bound=torch.nn.Module)
+
+
+def prepare_model(model: ModelT, precision: str) -> ModelT:
     """`model` (fp32 parameters) made ready to train in `precision` (torch backend)."""
     if precision == "int4_qat":
         attach_int4_qat(model)

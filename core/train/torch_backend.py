@@ -41,18 +41,29 @@ from milepost.core.algo import routing_replay
 from milepost.core.algo.losses import rl_loss
 from milepost.core.algo.routing_replay import RankReplay
 from milepost.core.config import AlgoConfig, TrainConfig
-from milepost.core.train import lora
-from milepost.core.train.batch import (collate, count_loss_tokens, num_micro_batches,
-                                       padding_sample, shard_by_rank, split_micro_batches)
-from milepost.core.train.precision import autocast, prepare_model
-from milepost.core.train.nonfinite import (SKIPPED_METRIC, NonFiniteWeightsError, agree_to_skip,
-                                           first_nonfinite, nonfinite_weights_message)
-from milepost.core.train.schedule import lr_lambda
-from milepost.core.train.logprobs import response_logprobs, response_logprobs_and_entropy
-from milepost.core.train.weight_sender import WeightSender, pack_parameters
-from milepost.core.train.weight_source import Rank0WeightSource, SenderRank
 from milepost.core.placement import actor_strategy
 from milepost.core.tcp_store import bound_store
+from milepost.core.train import lora
+from milepost.core.train.batch import (
+    collate,
+    count_loss_tokens,
+    num_micro_batches,
+    padding_sample,
+    shard_by_rank,
+    split_micro_batches,
+)
+from milepost.core.train.logprobs import response_logprobs, response_logprobs_and_entropy
+from milepost.core.train.nonfinite import (
+    SKIPPED_METRIC,
+    NonFiniteWeightsError,
+    agree_to_skip,
+    first_nonfinite,
+    nonfinite_weights_message,
+)
+from milepost.core.train.precision import autocast, prepare_model
+from milepost.core.train.schedule import lr_lambda
+from milepost.core.train.weight_sender import WeightSender, pack_parameters
+from milepost.core.train.weight_source import Rank0WeightSource, SenderRank
 from milepost.core.types import Sample
 
 log = logging.getLogger(__name__)
@@ -107,6 +118,7 @@ class RankWorker(SenderRank):
         """Join the gloo group, load the model (fp32, prepared for precision.train), wrap in DDP,
         build optimizer and schedule."""
         from torch.nn.parallel import DistributedDataParallel as DDP
+
         from milepost.core.model.loading import load_causal_lm
         store = bound_store("127.0.0.1", port, self.world_size, self.rank == 0, PG_TIMEOUT)
         dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.world_size, timeout=PG_TIMEOUT)
@@ -127,7 +139,7 @@ class RankWorker(SenderRank):
             self.ref.requires_grad_(False)
         cfg = self.train_cfg
         trained = [p for p in self.module.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(trained, lr=cfg.lr, betas=tuple(cfg.betas),
+        self.optimizer = torch.optim.AdamW(trained, lr=cfg.lr, betas=cfg.betas,
                                            weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps, self.total_steps))
@@ -153,7 +165,7 @@ class RankWorker(SenderRank):
             gap = (logprobs.detach() - batch["engine_logprobs"]).abs()[mask]
             metrics["train/engine_logprob_diff_max"] = float(gap.max())
             metrics["train/engine_logprob_absdiff_sum"] = float(gap.sum())
-        if routes is not None:  # agreement, and the gap with and without replay (one more forward)
+        if self.replay is not None and routes is not None:  # agreement, and the gap with and without replay
             def forward() -> torch.Tensor:
                 with autocast(self.precision):
                     return response_logprobs(self.module, batch, self.temperature)
@@ -269,12 +281,12 @@ class TorchBackend(Rank0WeightSource):
     @classmethod
     def create(cls, model_path: str, train_cfg: TrainConfig, algo_cfg: AlgoConfig, temperature: float,
                seed: int, total_steps: int | None = None, placement_group: Any = None,
-               precision: str = "fp32") -> "TorchBackend":
+               precision: str = "fp32") -> TorchBackend:
         """`placement_group` (core/placement.py): rank r runs on its bundle r. `precision`:
         precision.train (fp32, bf16, int4_qat)."""
         world = train_cfg.num_ranks
         actor_cls = ray.remote(num_cpus=RANK_NUM_CPUS)(RankWorker)
-        actors = [actor_cls.options(**actor_strategy(placement_group, r)).remote(
+        actors: list[Any] = [actor_cls.options(**actor_strategy(placement_group, r)).remote(
                       r, world, model_path, train_cfg, algo_cfg, temperature, seed, total_steps, precision)
                   for r in range(world)]
         backend = cls(actors, train_cfg)

@@ -165,7 +165,7 @@ class WeightSender:
             for dst, src in pairs:
                 dst.copy_(src)
             return
-        pieces = []
+        pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
         for dst, src in pairs:
             if src.numel() * src.element_size() >= SPLIT_BYTES:
                 pieces += zip(dst.view(-1).chunk(n), src.reshape(-1).chunk(n))

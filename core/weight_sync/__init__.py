@@ -21,13 +21,14 @@ from milepost.core.weight_sync.tensor import TensorTransport
 TRANSPORTS = ("disk", "tensor", "distributed")
 
 
-def build_transport(name: "str | SyncConfig", timeout_s: float = 120.0, bucket_mb: float = 512.0,
+def build_transport(name: str | SyncConfig, timeout_s: float = 120.0, bucket_mb: float = 512.0,
                     num_attempts: int = 2, pause_mode: str = "abort",
                     gloo_streams: int = SyncConfig.model_fields["gloo_streams"].default) -> WeightTransport:
     """The transport `name` (sync.transport), or the one a whole `SyncConfig` describes
     (its timeout_s, bucket_mb and gloo_streams then win). `timeout_s` bounds each push attempt."""
     if isinstance(name, SyncConfig):
-        name, timeout_s, bucket_mb, gloo_streams = name.transport, name.timeout_s, name.bucket_mb, name.gloo_streams
+        sync = name
+        name, timeout_s, bucket_mb, gloo_streams = sync.transport, sync.timeout_s, sync.bucket_mb, sync.gloo_streams
     if name == "disk":
         return DiskTransport(num_attempts, timeout_s, pause_mode)
     if name == "tensor":
@@ -37,5 +38,13 @@ def build_transport(name: "str | SyncConfig", timeout_s: float = 120.0, bucket_m
     raise ValueError(f"sync.transport `{name}` is not available; use one of {', '.join(TRANSPORTS)}")
 
 
-__all__ = ["WeightTransport", "WeightSource", "WeightSyncError", "DiskTransport", "TensorTransport",
-           "DistributedTransport", "build_transport", "TRANSPORTS"]
+__all__ = [
+    "TRANSPORTS",
+    "DiskTransport",
+    "DistributedTransport",
+    "TensorTransport",
+    "WeightSource",
+    "WeightSyncError",
+    "WeightTransport",
+    "build_transport",
+]

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from milepost.core.fleet.client import EngineClient, EngineError
 
@@ -36,9 +37,9 @@ class WeightTransport(Protocol):
     name: str
 
     def push(self, clients: list[EngineClient], export_dir: str, version: str,
-             backend: Any = None) -> dict[str, float]:
+             backend: WeightSource | None = None) -> dict[str, float]:
         """Make every engine serve the trainer's weights as `version`; return metrics.
-        `disk` reads `export_dir`; `tensor` and `distributed` read `backend` (a WeightSource).
+        `disk` reads `export_dir`; `tensor` and `distributed` read `backend`.
         Every transport here also has `close()`, releasing buffers and groups it holds."""
         ...
 
@@ -104,14 +105,17 @@ def result(future: Future, deadline: Deadline, what: str) -> Any:
         raise WeightSyncError(f"{what}: no answer within the {deadline.seconds:g} s timeout", retryable=False) from None
     except WeightSyncError:
         raise
-    except Exception as exc:  # noqa: BLE001 - an engine's or the trainer's error, named
+    except Exception as exc:  # an engine's or the trainer's error, named
         raise WeightSyncError(f"{what}: {exc}", retryable=not no_reply(exc)) from exc
 
 
 def on_engines(pool: ThreadPoolExecutor, clients: list[EngineClient], step: str,
                call: Callable[[EngineClient], Any], deadline: Deadline) -> list[Any]:
     """Run `call` on every engine in parallel; raise one error naming every engine that failed."""
-    futures = [(c, pool.submit(lambda c=c: check_reply(call(c), c, step))) for c in clients]
+    def checked(c: EngineClient) -> Any:
+        return check_reply(call(c), c, step)
+
+    futures = [(c, pool.submit(checked, c)) for c in clients]
     replies, errors = [], []
     for c, f in futures:
         try:
@@ -128,7 +132,7 @@ CLEANUP_ATTEMPTS = 3
 
 
 def best_effort(pool: ThreadPoolExecutor, clients: list[EngineClient], timeout_s: float,
-                calls: Callable[[EngineClient, Deadline], None]) -> None:
+                calls: Callable[[EngineClient, Deadline], object]) -> None:
     """Cleanup that must not hang nor raise: `calls` on every engine, all within timeout_s."""
     deadline = Deadline(timeout_s, "cleanup")
 

@@ -6,11 +6,18 @@ from __future__ import annotations
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from milepost.core.fleet.client import EngineClient
-from milepost.core.weight_sync.base import (Deadline, WeightSyncError, best_effort, log, no_reply, on_engines,
-                                            verify_versions)
+from milepost.core.weight_sync.base import (
+    Deadline,
+    WeightSource,
+    WeightSyncError,
+    best_effort,
+    log,
+    no_reply,
+    on_engines,
+    verify_versions,
+)
 
 
 class DiskTransport:
@@ -31,14 +38,14 @@ class DiskTransport:
         self.cleanup_timeout_s = min(cleanup_timeout_s, timeout_s)
 
     def push(self, clients: list[EngineClient], export_dir: str, version: str,
-             backend: Any = None) -> dict[str, float]:
+             backend: WeightSource | None = None) -> dict[str, float]:
         """`backend` is not used: the weights are the files in `export_dir`."""
         start = time.perf_counter()
         for attempt in range(1, self.num_attempts + 1):
             try:
                 self._attempt(clients, export_dir, version)
                 break
-            except Exception as e:  # noqa: BLE001 - any engine failure is retried, then raised
+            except Exception as e:  # any engine failure is retried, then raised
                 log.warning("disk weight sync attempt %d/%d failed: %s", attempt, self.num_attempts, e)
                 if no_reply(e) or attempt == self.num_attempts:
                     raise WeightSyncError(

@@ -23,12 +23,16 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from milepost.core.tcp_store import bound_store
 from milepost.core.weight_sync.wire import Spec, spec_nbytes
+
+if TYPE_CHECKING:  # GroupName: a NewType of str in torch's own annotations (not in every torch>=2.6)
+    from torch.distributed import ProcessGroup, Store
+    from torch.distributed.distributed_c10d import GroupName
 
 MAX_GLOO_STREAMS = 16
 GROUP_BACKENDS = ("nccl", "gloo")
@@ -41,7 +45,7 @@ def check_streams(streams: int) -> None:
 
 
 def init_weight_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
-                      timeout_s: float, backend: str = "gloo", streams: int = 1) -> Any:
+                      timeout_s: float, backend: str = "gloo", streams: int = 1) -> ProcessGroup:
     """Join the group `group_name` as `rank`; rank 0 hosts the TCP store. Returns the
     process group (for torch.distributed calls with group=...).
 
@@ -54,8 +58,7 @@ def init_weight_group(master_address: str, master_port: int, rank: int, world_si
     is `tcp_store.bound_store`, listening on `master_address` only (torch's tcp:// rendezvous
     listens on every interface); the keys are the same. `streams` > 1 (gloo only) is
     milepost's extension (`_gloo_group`), formed only with engines that announced it."""
-    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper,
-                                                    _world, rendezvous)
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
     check_streams(streams)
     if streams > 1 and backend != "gloo":
         raise ValueError(f"streams={streams}: more than 1 only with gloo ({backend} has its own channels)")
@@ -69,12 +72,13 @@ def init_weight_group(master_address: str, master_port: int, rank: int, world_si
         store, rank, world_size = next(rendezvous(f"tcp://{host}:{master_port}", rank, world_size,
                                                   timeout=timeout))
     store.set_timeout(timeout)
-    store = PrefixStore(group_name, store)
+    prefixed = PrefixStore(group_name, store)
     if streams > 1:
-        pg = _gloo_group(store, rank, world_size, group_name, timeout, streams)
+        pg = _gloo_group(prefixed, rank, world_size, group_name, timeout, streams)
     else:
-        pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
-                                          backend_options=None, timeout=timeout)
+        pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), prefixed,
+                                          group_name=cast("GroupName", group_name), backend_options=None,
+                                          timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
 
@@ -98,28 +102,28 @@ def choose_backend(server_infos: list[dict[str, Any]]) -> str:
     return "gloo" if cpu else "nccl"
 
 
-def _gloo_group(store: Any, rank: int, world_size: int, group_name: str, timeout: datetime.timedelta,
-                streams: int) -> Any:
+def _gloo_group(store: Store, rank: int, world_size: int, group_name: str, timeout: datetime.timedelta,
+                streams: int) -> ProcessGroup:
     """A gloo group with `streams` connections per peer, on the devices torch would pick
     (GLOO_SOCKET_IFNAME's interfaces, else the host's default), each repeated."""
     from torch._C._distributed_c10d import ProcessGroup, ProcessGroupGloo
     from torch.distributed.distributed_c10d import PrefixStore
     interfaces = [i for i in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if i]
-    opts = ProcessGroupGloo._Options()
+    opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private, not in torch's stubs
     opts._timeout = timeout
     opts._devices = [ProcessGroupGloo.create_device(interface=i) if i else ProcessGroupGloo.create_default_device()
                      for _ in range(streams) for i in (interfaces or [""])]
     opts._threads = 2 * len(opts._devices)  # torch's default: two workers per device
-    store = PrefixStore(f"{group_name}/", store)
-    gloo = ProcessGroupGloo(store, rank, world_size, opts)
-    pg = ProcessGroup(store, rank, world_size)
+    gloo_store = PrefixStore(f"{group_name}/", store)
+    gloo = ProcessGroupGloo(gloo_store, rank, world_size, opts)
+    pg = ProcessGroup(gloo_store, rank, world_size)
     pg._set_default_backend(ProcessGroup.BackendType.GLOO)
     pg._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, gloo)
-    pg._set_group_name(group_name)
+    pg._set_group_name(cast("GroupName", group_name))
     return pg
 
 
-def destroy_weight_group(pg: Any) -> None:
+def destroy_weight_group(pg: ProcessGroup) -> None:
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _world
     if pg in _world.pg_map:  # made by torch's helper (nccl)
@@ -147,7 +151,8 @@ def interleave(specs: list[Spec], streams: int) -> list[Spec]:
     if streams <= 1:
         return list(specs)
     rest = sorted(specs, key=spec_nbytes, reverse=True)
-    load, out = [0] * streams, []
+    load = [0] * streams
+    out: list[Spec] = []
     while rest:
         k = len(out) % streams
         spec = rest.pop(0) if load[k] <= min(load) else rest.pop()

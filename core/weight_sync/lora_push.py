@@ -18,14 +18,23 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from milepost.core.fleet.client import EngineClient, EngineError
 from milepost.core.train.lora import ADAPTER_WEIGHTS, is_adapter_folder, read_adapter
-from milepost.core.weight_sync.base import (Deadline, WeightSyncError, best_effort, log, no_reply, on_engines,
-                                            verify_versions)
+from milepost.core.weight_sync.base import (
+    Deadline,
+    WeightSource,
+    WeightSyncError,
+    best_effort,
+    log,
+    no_reply,
+    on_engines,
+    verify_versions,
+)
 
 ADAPTER_NAME = "policy"  # the one adapter a milepost fleet serves; rollouts send it as lora_path
 
@@ -99,7 +108,7 @@ class LoraTransport:
         self._full_bytes: float | None = None
 
     def push(self, clients: list[EngineClient], export_dir: str, version: str,
-             backend: Any = None) -> dict[str, float]:
+             backend: WeightSource | None = None) -> dict[str, float]:
         """`backend` is not used: the adapter is the folder `export_dir`."""
         if not is_adapter_folder(export_dir):
             raise WeightSyncError(f"train.lora pushes a PEFT adapter folder; {export_dir} is not one (no "
@@ -109,7 +118,7 @@ class LoraTransport:
             try:
                 self._attempt(clients, export_dir, version)
                 break
-            except Exception as e:  # noqa: BLE001 - retried, then raised
+            except Exception as e:  # retried, then raised
                 log.warning("LoRA adapter push attempt %d/%d failed: %s", attempt, self.num_attempts, e)
                 if no_reply(e) or attempt == self.num_attempts:
                     raise WeightSyncError(
@@ -150,7 +159,7 @@ class LoraTransport:
         if not committed and self.last_good is not None:  # never leave an engine without an adapter
             try:
                 replace_adapter(client, self.last_good, deadline.left())
-            except Exception as exc:  # noqa: BLE001 - reported; continue must still be sent
+            except Exception as exc:  # reported; continue must still be sent
                 if isinstance(exc, EngineError) and exc.status is None:
                     raise  # no reply (a connection the engine closed): best_effort runs this cleanup again
                 log.warning("restoring adapter %s on %s failed: %s", self.last_good, client.base_url, exc)

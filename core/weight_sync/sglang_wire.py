@@ -91,7 +91,12 @@ def _reduce_tensor(tensor: torch.Tensor) -> tuple[Any, tuple]:
     return reduce_tensor(tensor)
 
 
-class _Pickler(pickle._Pickler):
+# pickle's pure-Python Pickler, whose internals used below (save, write, memoize, save_global)
+# typeshed leaves out
+_PurePickler: Any = pickle._Pickler
+
+
+class _Pickler(_PurePickler):
     """ForkingPickler's reductions, CPU storages by file_system, the stand-in metadata
     class under SGLang's module and name."""
 
@@ -99,8 +104,9 @@ class _Pickler(pickle._Pickler):
         super().__init__(file, protocol=4)
         from multiprocessing.reduction import ForkingPickler
 
-        import torch.multiprocessing.reductions  # noqa: F401 - registers torch's reducers
-        self.dispatch_table = {**copyreg.dispatch_table, **ForkingPickler._extra_reducers,
+        import torch.multiprocessing.reductions  # registers torch's reducers
+        reducers = ForkingPickler._extra_reducers  # type: ignore[attr-defined]  # private: where torch registers
+        self.dispatch_table = {**copyreg.dispatch_table, **reducers,
                                torch.UntypedStorage: _reduce_storage_file_system, torch.Tensor: _reduce_tensor}
 
     def save_global(self, obj: Any, name: str | None = None) -> None:
@@ -233,7 +239,7 @@ def decode(raw: bytes) -> tuple[torch.Tensor, list[wire.Spec]]:
             raise ValueError(f"bad metadata entry {str(m)[:200]}")
         spec = {"name": m.name, "dtype": wire.dtype_name(m.dtype), "shape": list(m.shape), "offset": m.start_idx}
         n = wire.spec_nbytes(spec)
-        if not (0 <= m.start_idx and m.end_idx == m.start_idx + n == m.start_idx + m.numel
+        if not (m.start_idx >= 0 and m.end_idx == m.start_idx + n == m.start_idx + m.numel
                 and m.end_idx <= flat.numel() and m.start_idx % m.dtype.itemsize == 0):
             raise ValueError(f"{m.name}: bytes [{m.start_idx}, {m.end_idx}) do not fit its shape and dtype "
                              f"inside the {flat.numel()}-byte bucket")

@@ -59,13 +59,16 @@ class TensorTransport(SessionTransport):
             return backend.named_tensors_to_sglang(names, i, sum(tp), timeout_s=deadline.left())
 
         self._write = write
-        self._stage = ThreadPoolExecutor(max_workers=4, thread_name_prefix="weight-sync-stage")
-        self._first: Future | None = self._stage.submit(write, 0) if plan else None
+        stage = ThreadPoolExecutor(max_workers=4, thread_name_prefix="weight-sync-stage")
+        self._stage: ThreadPoolExecutor | None = stage
+        self._first: Future | None = stage.submit(write, 0) if plan else None
 
     def _send(self, pool: ThreadPoolExecutor, clients: list[EngineClient], backend: WeightSource,
               deadline: Deadline) -> int:
         flush = self.pause_mode != "in_place"
         num_buckets = len(self.plan(backend, deadline))
+        stage, writing = self._stage, self._first
+        assert stage is not None and (writing is not None or num_buckets == 0), "_prepare runs first"
 
         def post(payloads: list[str]) -> None:
             on_engines(pool, clients, "update_weights_from_tensor", lambda c: c.update_weights_from_tensor(
@@ -73,12 +76,13 @@ class TensorTransport(SessionTransport):
                 timeout_s=deadline.left()), deadline)
 
         try:  # the writer and the posters run in `_stage`; `pool` serves the per-engine calls
-            posts, writing = [], self._first
+            posts: list[Future] = []
             for i in range(num_buckets):
+                assert writing is not None
                 payloads = result(writing, deadline, f"trainer writing bucket {i}")
                 if i + 1 < num_buckets:
-                    writing = self._stage.submit(self._write, i + 1)
-                posts.append(self._stage.submit(post, payloads))
+                    writing = stage.submit(self._write, i + 1)
+                posts.append(stage.submit(post, payloads))
             for i, p in enumerate(posts):
                 result(p, deadline, f"engines taking bucket {i}")
         finally:

@@ -15,10 +15,9 @@ import os
 import threading
 from pathlib import Path
 
-import pytest
-
 import fault_campaign as cp
 import fault_kinds as faults
+import pytest
 
 
 def pytest_addoption(parser):

@@ -24,13 +24,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
-
-import psutil
+from typing import Any
 
 import fault_campaign as cp
+import psutil
+
 from milepost.core.data.epoch import epoch_coverage
 from milepost.core.records import BLOCK_STAGES, Stage, block_path
 

@@ -15,10 +15,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import pytest
-
 import fault_campaign as cp
 import fault_kinds as faults
+import pytest
 
 HERE = Path(__file__).resolve().parent
 RESULTS_MD, RESULTS_CSV = HERE / "RESULTS.md", HERE / "results.csv"
@@ -76,7 +75,8 @@ def test_soak(request, fault_root, fault_cache, fault_shape, references):
     if not cp.option(config, "--soak", False):
         pytest.skip("the soak runs with --soak")
     kinds = tuple((cp.option(config, "--soak-kinds") or ",".join(faults.KINDS)).split(","))
-    all_plans = soak_plans(cp.option(config, "--soak-runs", 60), fault_shape, cp.option(config, "--soak-seed", 1), kinds)
+    all_plans = soak_plans(cp.option(config, "--soak-runs", 60), fault_shape, cp.option(config, "--soak-seed", 1),
+                           kinds)
     plans = all_plans
     workers = cp.option(config, "--soak-workers", 1)
     deadline = _deadline(cp.option(config, "--soak-deadline"))
@@ -98,8 +98,8 @@ def test_soak(request, fault_root, fault_cache, fault_shape, references):
         wall = time.monotonic() - started
         return "\n".join([
             "# Fault-injection soak (tests/faults)", "",
-            f"Command: `python -m pytest tests/faults -k soak --soak --soak-runs {len(all_plans)} --soak-workers {workers}"
-            f" --soak-steps {fault_shape.steps_per_block}"
+            f"Command: `python -m pytest tests/faults -k soak --soak --soak-runs {len(all_plans)} "
+            f"--soak-workers {workers} --soak-steps {fault_shape.steps_per_block}"
             + (f" --soak-deadline {cp.option(config, '--soak-deadline')}`" if deadline else "`"),
             f"(started {begun}, {len(results)} of {len(all_plans)} runs done, wall {wall / 60:.1f} min,"
             f" {workers} at once, 2-core machine shared with other work)"

@@ -38,13 +38,13 @@ def _expected(seed: int) -> dict[str, torch.Tensor]:
     return {s["name"]: torch.randn(s["shape"], generator=g).to(wire.parse_dtype(s["dtype"])) for s in SPECS}
 
 
-def _oracle():  # noqa: ANN202 - a namespace of SGLang's functions
+def _oracle():  # a namespace of SGLang's functions
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
     import sglang_oracle
     return sglang_oracle.load_weight_pieces()
 
 
-def _trainer(conn, seed: int, writer: str, fake_uuid: str | None) -> None:  # noqa: ANN001 - a Pipe end
+def _trainer(conn, seed: int, writer: str, fake_uuid: str | None) -> None:  # a Pipe end
     """The producing process: a CUDA bucket, pickled by milepost (`ours`) or by SGLang's
     serializer after its patch (`sglang`); kept alive until the reader says it is done."""
     from milepost.core.weight_sync import cuda_ipc, sglang_wire, wire
@@ -69,7 +69,7 @@ def _trainer(conn, seed: int, writer: str, fake_uuid: str | None) -> None:  # no
     conn.close()
 
 
-def _read_with_sglang(conn) -> None:  # noqa: ANN001
+def _read_with_sglang(conn) -> None:
     """A TP rank's side, in its own process (SGLang's patch is process-wide)."""
     sgl = _oracle()
     sgl.monkey_patch_torch_reductions()
@@ -81,14 +81,14 @@ def _read_with_sglang(conn) -> None:  # noqa: ANN001
     conn.close()
 
 
-def _receive(conn, proc, raw: bool = False):  # noqa: ANN001, ANN202
+def _receive(conn, proc, raw: bool = False):
     """What the other process sent, or a failure naming its exit (never a hang)."""
     if not conn.poll(TIMEOUT_S):
         raise AssertionError(f"no answer from {proc.name} within {TIMEOUT_S} s (exit code {proc.exitcode})")
     return conn.recv_bytes() if raw else conn.recv()
 
 
-def _produce(seed: int, writer: str, fake_uuid: str | None = None):  # noqa: ANN202
+def _produce(seed: int, writer: str, fake_uuid: str | None = None):
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
     proc = ctx.Process(target=_trainer, args=(theirs, seed, writer, fake_uuid), daemon=True, name="trainer")
@@ -96,7 +96,7 @@ def _produce(seed: int, writer: str, fake_uuid: str | None = None):  # noqa: ANN
     return proc, ours, _receive(ours, proc)
 
 
-def _finish(proc, conn) -> None:  # noqa: ANN001
+def _finish(proc, conn) -> None:
     conn.send("done")
     proc.join(60)
     assert proc.exitcode == 0

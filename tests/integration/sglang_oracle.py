@@ -107,7 +107,7 @@ def _import_common() -> None:
         sys.modules["sglang"] = pkg  # sglang/__init__.py is not run (module docstring)
     # import these first, while no triton stub exists, so they see the truth
     import torch._dynamo  # noqa: F401
-    import transformers.models.auto.image_processing_auto  # noqa: F401
+    import transformers.models.auto.image_processing_auto
     import transformers.models.auto.processing_auto  # noqa: F401
     had_triton = "triton" in sys.modules or importlib.util.find_spec("triton") is not None  # the GPU machine has it
     if not had_triton:
@@ -139,7 +139,7 @@ def _schedule_batch_stub() -> types.ModuleType:
         raise ValueError("return_hidden_states must be a boolean or the string literal 'last'.")
 
     stub.Modality, stub.MultimodalProcessorOutput = Modality, MultimodalProcessorOutput
-    stub.ReturnHiddenStatesMode = Union[bool, Literal["last"]]
+    stub.ReturnHiddenStatesMode = Union[bool, Literal["last"]]  # noqa: UP007 - SGLang's alias as it writes it
     stub.SamplingLogprobsMode = Literal["selected", "support"]
     stub.get_return_hidden_states_mode = get_return_hidden_states_mode
     return stub

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from milepost.core.records import BLOCK_STAGES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,7 +37,8 @@ STEPS = 4
 BLOCKS = 2
 OVERRIDES = [f"campaign.num_blocks={BLOCKS}", f"campaign.steps_per_block={STEPS}", "checkpoint.every_steps=2",
              "rollout.prompts_per_step=8", "rollout.num_samples_per_prompt=4", "model.tiny.warmstart_steps=60",
-             "eval.num_prompts=32", f"data.num_train_rows={BLOCKS * STEPS * 8}", "filters.drop_zero_variance_groups=false",
+             "eval.num_prompts=32", f"data.num_train_rows={BLOCKS * STEPS * 8}",
+             "filters.drop_zero_variance_groups=false",
              "cluster.executor=slurm", "cluster.num_nodes=2", "cluster.slurm.time_min=30"]
 GUARD_S = 900  # against hanging forever, not a timing assertion
 

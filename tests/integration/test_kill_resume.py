@@ -5,9 +5,10 @@ other is killed (SIGKILL, no clean-up) at seeded-random moments in block 0 and b
 rerun each time, and must end with the same `model_sha256`, the same per-step metrics
 (timings aside) and exactly the same prompts. `tensor` and `distributed` train the same
 bits, so they share one reference; `disk` has its own (see below). CI runs `disk` (the
-embedded default); `tensor` and `distributed` are in the extended suite (`-m extended`), as is the async case. The engines run batch-invariant
-(`rollout.deterministic_inference`): otherwise their logprobs, which the trainer uses, move
-in the low bits with how requests happened to be batched, and no two runs are bitwise equal.
+embedded default); `tensor` and `distributed` are in the extended suite (`-m extended`), as is
+the async case. The engines run batch-invariant (`rollout.deterministic_inference`): otherwise
+their logprobs, which the trainer uses, move in the low bits with how requests happened to be
+batched, and no two runs are bitwise equal.
 The model is warm-started as the recipe does, so rewards are non-zero and RL moves the
 weights (checked: an equality of unchanged weights would prove nothing). Async mode
 (max_staleness 1): killed at two moments, it must train every prompt of the epoch exactly
@@ -29,7 +30,7 @@ from milepost.core.data.epoch import epoch_coverage
 
 # The helpers that run a campaign and read its store are shared with tests/faults.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "faults"))
-import fault_campaign as cp  # noqa: E402
+import fault_campaign as cp
 
 STEPS_PER_BLOCK = 6
 NUM_BLOCKS = 2

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from tinymodels import random_train_samples, save_tiny_qwen2
+
 from milepost.core.config import AlgoConfig, TrainConfig
 from milepost.core.model.loading import load_causal_lm
 from milepost.core.train.backend import TrainBackend
@@ -20,8 +23,6 @@ from milepost.core.train.batch import collate
 from milepost.core.train.factory import create_backend
 from milepost.core.train.logprobs import response_logprobs
 from milepost.core.types import Sample
-from tinymodels import random_train_samples, save_tiny_qwen2
-from safetensors.torch import load_file
 
 VOCAB = 31  # padded to 128 inside megatron: export must drop the padding
 TEMPERATURE = 0.7

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "faults"))
-import fault_campaign as cp  # noqa: E402
+import fault_campaign as cp
 
 SHAPE = cp.Shape(num_blocks=2, steps_per_block=4, prompts_per_step=8, samples_per_prompt=4, checkpoint_every=2,
                  warmstart_steps=60, eval_prompts=16, extra=("metrics.sinks=[tensorboard, mlflow]",))

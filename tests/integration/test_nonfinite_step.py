@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import logging
 import math
-from pathlib import Path
 
 import pytest
 import torch
+from tinymodels import random_train_samples, save_tiny_qwen2
 
 from milepost.core.checkpoint import CheckpointManager, CheckpointSaveError
 from milepost.core.config import AlgoConfig, TrainConfig
 from milepost.core.loop import assign_advantages
 from milepost.core.train.factory import create_backend
 from milepost.core.train.nonfinite import SKIPPED_METRIC, NonFiniteWeightsError
-from tinymodels import random_train_samples, save_tiny_qwen2
 
 VOCAB = 32
 
@@ -105,7 +104,8 @@ def test_nonfinite_weights_are_never_checkpointed(ray_cluster, model_path, tmp_p
         with pytest.raises(NonFiniteWeightsError, match=f"{name} holds NaN/inf"):
             backend.save_state(str(tmp_path / "direct"))
         assert not (tmp_path / "direct" / "model.pt").exists()
-        with pytest.raises(CheckpointSaveError, match="(?s)checkpoint of step 2 was not saved .*refusing to checkpoint non-finite weights"):
+        refused = "(?s)checkpoint of step 2 was not saved .*refusing to checkpoint non-finite weights"
+        with pytest.raises(CheckpointSaveError, match=refused):
             mgr.save(2, {"step": 2}, payload)
         assert sorted(p.name for p in mgr.root.iterdir()) == ["00000001", "latest"]
         assert (mgr.root / "latest").read_text() == "1" and mgr.latest_valid().step == 1

@@ -26,11 +26,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from tinymodels import random_train_samples, save_tiny_qwen2
 
 from milepost.core.checkpoint import MANIFEST, CheckpointManager
 from milepost.core.config import AlgoConfig, TrainConfig
 from milepost.core.train.torch_backend import TorchBackend
-from tinymodels import random_train_samples, save_tiny_qwen2
 
 VOCAB = 32
 TEARS = ("truncate", "flip", "delete")

@@ -258,7 +258,8 @@ def good(response_text, label):
     ("{d}/r.py:several", r"r.py:several` is an async or generator function"),
     ("{d}/broken.py:score", r"importing .*broken.py failed: SyntaxError: .*fix the file"),
     ("{d}/exits.py:score", r"importing .*exits.py failed: SystemExit"),
-    ("exact-match", r"reward.function `exact-match` is not a registered name \(arith-value, gsm8k, math-final-answer, tiny-arith\)"),
+    ("exact-match",
+     r"reward.function `exact-match` is not a registered name \(arith-value, gsm8k, math-final-answer, tiny-arith\)"),
     ("no_such_module_xyz:score", r"cannot import `no_such_module_xyz`: ModuleNotFoundError.*install the package"),
     ("{d}/r.py:", r"both sides of `:` are needed"),
 ])

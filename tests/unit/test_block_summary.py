@@ -99,6 +99,7 @@ def test_a_block_not_judged_yet_says_so_and_missing_numbers_show_as_dashes(store
 
 def test_the_report_is_drawn_into_the_store_and_named_in_the_summary(store) -> None:
     import matplotlib  # noqa: F401  (the plot extra, in the test extra: a missing one fails here)
+
     from milepost.core.recipe_io import dump_recipe, load_recipe
 
     store.write_text_atomic("campaign.yaml", dump_recipe(load_recipe("recipes/tiny-arith.yaml", [])))

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from milepost.core.checkpoint import CheckpointManager
 from milepost.core.recipe_io import load_recipe
 from milepost.core.store import CampaignStore

@@ -159,6 +159,7 @@ def test_retention_never_deletes_the_best_by_eval_checkpoint(tmp_path):
     checkpoints/ at the next save, but its snapshot (best/) stays intact and a regression
     resumes from it."""
     from test_campaign_progression import SPB, _campaign, _finish_block
+
     from milepost.tasks import progression
 
     recipe, store = _campaign(tmp_path, num_blocks=4)

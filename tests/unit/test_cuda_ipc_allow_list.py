@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import io
-import pickle
 
 import pytest
 import torch
@@ -26,7 +25,7 @@ class _CudaTensorLike:
         args.update(changes)
         self.args = tuple(args.values())
 
-    def __reduce__(self):  # noqa: ANN204
+    def __reduce__(self):
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
         return rebuild_cuda_tensor, self.args
 
@@ -61,7 +60,7 @@ def test_a_cuda_payload_is_checked_before_any_cuda_call(changes, message):
 
 def test_the_storage_class_of_a_cuda_payload_is_a_marker_never_a_constructor():
     class _ConstructsAStorage:
-        def __reduce__(self):  # noqa: ANN204
+        def __reduce__(self):
             return torch.storage.TypedStorage, (16,)
 
     with pytest.raises(ValueError, match="not callable|flattened_tensor must be"):

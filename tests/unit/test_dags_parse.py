@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import itertools
 import json
 import os
 import subprocess
@@ -64,7 +65,7 @@ def test_block_tasks_edges_and_settings() -> None:
 
     dag = _dagbag().dags["milepost_tiny_arith"]
     assert {t.task_id for t in dag.tasks} == {*STAGES, "progress", "teardown", "block_failed"}
-    for upstream, downstream in zip(STAGES, STAGES[1:]):
+    for upstream, downstream in itertools.pairwise(STAGES):
         assert dag.get_task(upstream).downstream_task_ids == {downstream, "block_failed"} | (
             {"teardown"} if upstream == "start_ray" else set())
     assert dag.get_task("evaluate").downstream_task_ids == {"progress", "block_failed"}
@@ -153,7 +154,7 @@ def test_parse_opens_no_connection_and_imports_nothing_heavy(airflow_home: Path)
     done = subprocess.run([sys.executable, "-c", PARSE_PROBE, str(DAGS)], capture_output=True, text=True,
                           env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    line = next(l for l in done.stdout.splitlines() if l.startswith("RESULT "))
+    line = next(out for out in done.stdout.splitlines() if out.startswith("RESULT "))
     result = json.loads(line[len("RESULT "):])
     assert result["errors"] == {}
     assert result["dags"] == sorted(EXPECTED_DAGS)
@@ -282,6 +283,7 @@ def test_operator_fails_with_the_stage_log_on_a_failed_event(tmp_path: Path) -> 
 
 def test_operator_shows_the_recorded_root_error_and_does_not_retry_a_user_error(tmp_path: Path) -> None:
     from airflow.sdk.exceptions import AirflowFailException
+
     from milepost.core.store import CampaignStore
     from milepost.dags.operators import StageFailedError
 

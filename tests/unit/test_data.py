@@ -70,7 +70,7 @@ def test_resume_from_a_saved_cursor_matches_reading_straight_through():
     got += [[p.index for p in resumed.next_batch(3)] for _ in range(2)]
     assert got == straight
     assert resumed.cursor.epoch == 1 and full.cursor.to_dict() == resumed.cursor.to_dict()
-    flat = sum(straight, [])
+    flat = [index for chunk in straight for index in chunk]
     assert sorted(flat[:7]) == list(range(7))  # epoch 0 is a permutation
     assert flat[7:] == [int(i) for i in full._order(1)[:2]]  # then epoch 1 starts from its own order
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from milepost.core.recipe_io import dump_recipe, load_recipe
 from milepost.core.store import CampaignStore
-from milepost.dags.operators import StageOperator  # noqa: E402
+from milepost.dags.operators import StageOperator
 
 RECIPE = str(Path(__file__).resolve().parents[2] / "recipes" / "tiny-arith.yaml")
 FIRST_TRY = {"job_id": "4242", "submitted_at": 1000.0, "started_at": 1002.0, "finished_at": 1062.0,

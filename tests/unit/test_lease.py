@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from milepost.core.store import CampaignStore
 from milepost.tasks import lease
 

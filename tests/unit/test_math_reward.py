@@ -5,6 +5,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 import pytest
+
 from milepost.core.reward import REWARD_FUNCTIONS, RewardEvaluator, resolve_reward_fn
 from milepost.core.rewards_math import extract_answer, gsm8k_reward, label_answer, parse_number
 from milepost.core.types import Sample

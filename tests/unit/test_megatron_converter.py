@@ -12,6 +12,7 @@ import tempfile
 
 import pytest
 import torch
+
 from milepost.core.train.megatron.converter import mapping_for, to_hf, to_megatron
 from milepost.core.train.megatron.model import (
     ModelSpec,
@@ -112,12 +113,13 @@ def _check_architectures(port: int, queue: mp.Queue) -> None:
     import torch.distributed as dist
     import transformers as T
     from megatron.core import parallel_state
+    from safetensors.torch import load_file
+
     from milepost.core.config import MegatronConfig
     from milepost.core.train.megatron import cpu_compat
     from milepost.core.train.megatron.converter import iter_hf_tensors, load_hf_into
     from milepost.core.train.megatron.head import response_logits
     from milepost.core.train.megatron.model import build_gpt_model, transformer_config
-    from safetensors.torch import load_file
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     common = dict(vocab_size=31, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -125,9 +127,9 @@ def _check_architectures(port: int, queue: mp.Queue) -> None:
     cases = {
         "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, dict(head_dim=32, tie_word_embeddings=False)),
         "llama": (T.LlamaConfig, T.LlamaForCausalLM, dict(tie_word_embeddings=False)),
-        "qwen3_moe": (T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM, dict(head_dim=16, moe_intermediate_size=24, num_experts=4,
-                                                                    num_experts_per_tok=2, norm_topk_prob=True,
-                                                                    mlp_only_layers=[1])),
+        "qwen3_moe": (T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM,
+                      dict(head_dim=16, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
+                           norm_topk_prob=True, mlp_only_layers=[1])),
     }
     results = {}
     with cpu_compat.activate():

@@ -4,6 +4,7 @@ plain computations they replace. CPU runs them eagerly; CUDA compiles the same f
 from __future__ import annotations
 
 import torch
+
 from milepost.core.algo.losses import entropy_from_logits
 from milepost.core.train.megatron import fusions
 from milepost.core.train.megatron.head import logprobs_and_entropy

@@ -3,9 +3,12 @@ and the tap's top-k stand-in forcing recorded experts with current scores."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
+
 from milepost.core.algo.routing_replay import encode_routes
 from milepost.core.train.megatron.routing import MegatronRouteTap, micro_batch_routes
 from milepost.core.types import Sample
@@ -49,7 +52,9 @@ def test_tap_forces_recorded_experts_with_current_scores_and_counts_agreement() 
     routers = [FakeRouter()]
     tap = MegatronRouteTap(routers)
     scores = torch.tensor([[4.0, 3.0, 2.0, 1.0], [1.0, 2.0, 3.0, 4.0], [0.0, 5.0, 1.0, 6.0]])
-    topk = lambda s, k, num_groups=None, group_topk=None: torch.topk(s, k=k, dim=1)
+    def topk(s: torch.Tensor, k: int, num_groups: int | None = None, group_topk: int | None = None) -> Any:
+        return torch.topk(s, k=k, dim=1)
+
     recorded = torch.tensor([[[1, 0], [2, 0], [-1, -1]]])  # token 0 agrees (as a set), token 1 not, 2 none
     with tap.replay(recorded, force=True):
         values, chosen = routers[0].router_replay.get_replay_topk(scores, TOP_K, None, None, topk)
@@ -65,7 +70,8 @@ def test_tap_forces_recorded_experts_with_current_scores_and_counts_agreement() 
 
 def test_tap_refuses_routes_of_another_model() -> None:
     tap = MegatronRouteTap([FakeRouter()])
-    with pytest.raises(ValueError, match="do not fit this model"), tap.replay(torch.zeros(3, 5, TOP_K, dtype=torch.long)):
+    routes = torch.zeros(3, 5, TOP_K, dtype=torch.long)
+    with pytest.raises(ValueError, match="do not fit this model"), tap.replay(routes):
         pass
     with pytest.raises(ValueError, match="name expert 7, the model has 4"), tap.replay(torch.full((1, 5, TOP_K), 7)):
         pass

@@ -8,13 +8,13 @@ import json
 from pathlib import Path
 
 import pytest
+
+from milepost.cli import main
 from milepost.core.plan import CATALOG, make_plan
 from milepost.core.plan.arch import from_hf_config
 from milepost.core.plan.catalog import TINY_VOCAB_SIZE
 from milepost.core.plan.memory import stage_layers, trainer_memory
 from milepost.core.recipe_io import load_recipe
-
-from milepost.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -83,7 +83,7 @@ def test_catalog_totals_match_the_model_cards() -> None:
 def test_tiny_vocab_matches_the_tiny_tokenizer() -> None:
     from milepost.core.model import tiny
 
-    assert TINY_VOCAB_SIZE == len(tiny.SPECIALS) + len(tiny.CHARS)
+    assert len(tiny.SPECIALS) + len(tiny.CHARS) == TINY_VOCAB_SIZE
 
 
 def test_memory_of_qwen3_8b_matches_hand_computed_values() -> None:

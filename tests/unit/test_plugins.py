@@ -50,7 +50,8 @@ def test_the_readme_command_line_resolves_through_the_recipe(monkeypatch):
     recipe = load_recipe(TINY, overrides)
     extensions = resolve_extensions(recipe)
     assert recipe.algo.loss == "examples/plugins/ppo_loss.py:ppo_loss"
-    assert [spec for spec, _ in extensions.filters.filters][-1] == "examples/plugins/flat_groups_filter.py:drop_flat_groups"
+    filters = [spec for spec, _ in extensions.filters.filters]
+    assert filters[-1] == "examples/plugins/flat_groups_filter.py:drop_flat_groups"
     assert [spec for spec, _ in extensions.hooks.on_step_end] == ["examples/plugins/event_log_hooks.py:on_step_end"]
 
 
@@ -138,7 +139,8 @@ LIMIT = 3
     ("filters.functions=[{f}:none]", "filters.functions", "none",
      "fn(samples: list[Sample], context: StepContext) -> tuple[list[Sample], dict[str, float]]"),
     ("hooks.on_rollout=[{f}:none]", "hooks.on_rollout", "none", "fn(samples: Sequence[Sample], context: StepContext)"),
-    ("hooks.on_step_end=[{f}:none]", "hooks.on_step_end", "none", "fn(metrics: Mapping[str, object], context: StepContext)"),
+    ("hooks.on_step_end=[{f}:none]", "hooks.on_step_end", "none",
+     "fn(metrics: Mapping[str, object], context: StepContext)"),
     ("hooks.on_checkpoint=[{f}:none]", "hooks.on_checkpoint", "none",
      "fn(checkpoint: CommittedCheckpoint, context: StepContext) -> None"),
     ("hooks.on_block_end=[{f}:none]", "hooks.on_block_end", "none", "fn(block: BlockInfo, context: StepContext)"),

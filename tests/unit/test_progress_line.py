@@ -7,8 +7,8 @@ import io
 
 import pytest
 
-from milepost.core.store import CampaignStore
 from milepost.core.records import Stage
+from milepost.core.store import CampaignStore
 from milepost.tasks.progress import ProgressLine, current_line, stage_line, steps_line
 
 

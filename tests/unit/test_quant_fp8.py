@@ -9,8 +9,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from milepost.core.quant.fp8 import (BLOCK, FP8_DTYPE, FP8_MAX, QUANTIZATION_CONFIG, dequantize_fp8_blockwise,
-                                     quantize_fp8_blockwise, quantize_state_fp8, scale_name, scale_shape)
+from milepost.core.quant.fp8 import (
+    BLOCK,
+    FP8_DTYPE,
+    FP8_MAX,
+    QUANTIZATION_CONFIG,
+    dequantize_fp8_blockwise,
+    quantize_fp8_blockwise,
+    quantize_state_fp8,
+    scale_name,
+    scale_shape,
+)
 
 
 @pytest.mark.parametrize("shape,scales", [((128, 128), (1, 1)), ((256, 384), (2, 3)), ((200, 130), (2, 2)),

@@ -6,8 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from milepost.core.quant.int4 import (GROUP_SIZE, MIN_SCALE, dequantize_int4, fake_quantize_int4, group_size,
-                                      num_groups, pack_int4, quantize_int4, quantized_linears, unpack_int4)
+from milepost.core.quant.int4 import (
+    GROUP_SIZE,
+    MIN_SCALE,
+    dequantize_int4,
+    fake_quantize_int4,
+    group_size,
+    num_groups,
+    pack_int4,
+    quantize_int4,
+    quantized_linears,
+    unpack_int4,
+)
 
 
 def test_a_short_row_is_one_group_and_values_round_to_sevenths_of_its_max() -> None:

@@ -1,5 +1,4 @@
 import pytest
-
 import yaml
 
 from milepost.core.recipe_io import RecipeError, dump_recipe, load_recipe, recipe_diff, same_recipe

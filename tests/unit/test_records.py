@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from milepost.core.recipe_io import dump_recipe, load_recipe
 from milepost.core.records import (
     BLOCK_STAGES,
@@ -34,7 +35,7 @@ OLD_NAMES = {"launch_ray": "start_ray", "rollout": "start_engines", "train": "ru
 
 def test_the_stages_run_in_block_order_with_teardown_last() -> None:
     assert [s.value for s in Stage] == ["start_ray", "start_engines", "run_steps", "publish", "evaluate", "teardown"]
-    assert BLOCK_STAGES == tuple(Stage)[:-1]
+    assert tuple(Stage)[:-1] == BLOCK_STAGES
     assert f"mp-{Stage.RUN_STEPS}-b0" == "mp-run_steps-b0"  # a stage formats as its name (job names, logs)
 
 

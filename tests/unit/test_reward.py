@@ -3,8 +3,15 @@ import sys
 import pytest
 
 from milepost.core.errors import UserError
-from milepost.core.reward import (REWARD_FAILED, REWARD_FUNCTIONS, RewardEvaluator, math_final_answer_reward,
-                                  resolve_reward_fn, split_failed, tiny_arith_reward)
+from milepost.core.reward import (
+    REWARD_FAILED,
+    REWARD_FUNCTIONS,
+    RewardEvaluator,
+    math_final_answer_reward,
+    resolve_reward_fn,
+    split_failed,
+    tiny_arith_reward,
+)
 from milepost.core.types import Sample
 
 

@@ -16,7 +16,12 @@ from pydantic import ValidationError
 
 from milepost.slurm.options import SlurmOptions
 from milepost.slurm.sbatch import (
-    NUM_PORT_SLOTS, PORT_FIRST, PORT_SLOT_SIZE, RayAllocationSpec, RayPorts, render_ray_allocation,
+    NUM_PORT_SLOTS,
+    PORT_FIRST,
+    PORT_SLOT_SIZE,
+    RayAllocationSpec,
+    RayPorts,
+    render_ray_allocation,
 )
 
 GOLDEN = Path(__file__).parent / "expected" / "ray_allocation.sbatch"
@@ -117,7 +122,7 @@ def test_directives_carry_the_options_and_one_task_per_node():
 def test_campaign_ports_are_deterministic_and_in_range():
     ports = RayPorts.for_campaign("tiny-arith")
     assert ports == RayPorts.for_campaign("tiny-arith")
-    assert PORT_FIRST <= ports.gcs and ports.max_worker < PORT_FIRST + NUM_PORT_SLOTS * PORT_SLOT_SIZE
+    assert ports.gcs >= PORT_FIRST and ports.max_worker < PORT_FIRST + NUM_PORT_SLOTS * PORT_SLOT_SIZE
     assert (ports.gcs - PORT_FIRST) % PORT_SLOT_SIZE == 0
 
 

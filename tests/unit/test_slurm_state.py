@@ -7,7 +7,13 @@ import asyncio
 import pytest
 
 from milepost.slurm.state import (
-    JobState, Outcome, SlurmStatePoller, outcome_of, parse_sacct, parse_squeue, query_states,
+    JobState,
+    Outcome,
+    SlurmStatePoller,
+    outcome_of,
+    parse_sacct,
+    parse_squeue,
+    query_states,
 )
 
 

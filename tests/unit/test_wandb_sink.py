@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from milepost.core.metrics.sinks import SinkSet  # noqa: E402
-from milepost.core.metrics.wandb_sink import STEP_KEY, WandbSink, read_history  # noqa: E402
-from milepost.core.recipe_io import RecipeError, recipe_from_dict  # noqa: E402
+from milepost.core.metrics.sinks import SinkSet
+from milepost.core.metrics.wandb_sink import STEP_KEY, WandbSink, read_history
+from milepost.core.recipe_io import RecipeError, recipe_from_dict
 
 TAGS = ("rollout/reward_mean", "loss/kl")
 

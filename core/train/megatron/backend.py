@@ -22,12 +22,12 @@ from typing import Any
 
 import ray
 import torch
+
 from milepost.core.algo import routing_replay
 from milepost.core.config import AlgoConfig, TrainConfig
 from milepost.core.train.batch import count_loss_tokens, shard_by_rank
 from milepost.core.train.megatron.converter import write_index
 from milepost.core.train.megatron.worker import MegatronRankWorker
-from milepost.core.train.weight_source import Rank0WeightSource
 from milepost.core.train.nonfinite import SKIPPED_METRIC, NonFiniteWeightsError
 from milepost.core.train.torch_backend import (
     RANK_NUM_CPUS,
@@ -36,6 +36,7 @@ from milepost.core.train.torch_backend import (
     log_skipped_step,
     state_sha256,
 )
+from milepost.core.train.weight_source import Rank0WeightSource
 from milepost.core.types import Sample
 
 log = logging.getLogger(__name__)
@@ -65,11 +66,11 @@ class MegatronBackend(Rank0WeightSource):
         world = train_cfg.num_ranks
         gpus = 1 if placement_group is None and ray.cluster_resources().get("GPU", 0) >= world else 0
         actor_cls = ray.remote(num_cpus=RANK_NUM_CPUS, num_gpus=gpus)(MegatronRankWorker)
-        if placement_group is not None and rank_gpus:  # Placement.rank_gpus: a share of a bundle's GPU
-            gpus_of = lambda r: {"num_gpus": rank_gpus[r]}
-        else:
-            gpus_of = lambda r: {}
-        actors = [actor_cls.options(**actor_strategy(placement_group, r), **gpus_of(r)).remote(
+
+        def gpus_of(r: int) -> dict[str, float]:  # Placement.rank_gpus: a share of a bundle's GPU
+            return {"num_gpus": rank_gpus[r]} if placement_group is not None and rank_gpus else {}
+
+        actors: list[Any] = [actor_cls.options(**actor_strategy(placement_group, r), **gpus_of(r)).remote(
                       r, world, model_path, train_cfg, algo_cfg, temperature, seed, total_steps, precision)
                   for r in range(world)]
         backend = cls(actors, [], train_cfg, model_path)

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from milepost.core.train.megatron.model import ModelSpec
 
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -159,7 +160,8 @@ def global_names(chunk: Any, ep_rank: int = 0) -> list[tuple[str, str, torch.nn.
             i, rest = int(m.group(1)), m.group(2)
             e = EXPERT.match(rest)
             if e is not None:
-                rest = rest.replace(f"local_experts.{e.group(1)}.", f"local_experts.{ep_rank * local_experts[i] + int(e.group(1))}.", 1)
+                expert = ep_rank * local_experts[i] + int(e.group(1))
+                rest = rest.replace(f"local_experts.{e.group(1)}.", f"local_experts.{expert}.", 1)
             name = f"decoder.layers.{layer_numbers[i] - 1}.{rest}"
         out.append((local, name, param))
     return out
@@ -182,7 +184,7 @@ class HFReader:
         self._files: dict[str, Any] = {}
         self._open = lambda f: self._files.setdefault(f, safe_open(str(root / f), "pt"))
         if weight_map is None:
-            self.weight_map = {k: "model.safetensors" for k in self._open("model.safetensors").keys()}
+            self.weight_map = {k: "model.safetensors" for k in self._open("model.safetensors").keys()}  # noqa: SIM118 - a safetensors handle
         else:
             self.weight_map = weight_map
 

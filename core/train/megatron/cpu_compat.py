@@ -71,8 +71,9 @@ def _patch_module_functions() -> None:
     if _patched:
         return
     from megatron.core.optimizer import optimizer as mcore_optimizer
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
-    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    # megatron asks torch.cuda for the device and synchronizes; on CPU these answer instead
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment, return-value]  # a name, not an index
+    torch.cuda.synchronize = lambda *a, **k: None
     mcore_optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_cpu
     _patched = True
 

@@ -109,7 +109,7 @@ class FusedRMSNorm(torch.nn.RMSNorm):
     """torch.nn.RMSNorm (same parameters) with `_rms_norm`, compiled on CUDA. Installed by
     swapping the class of megatron's built norm modules, so names and checkpoints do not change."""
 
-    def forward(self, x: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(self, x: Tensor) -> Tensor:
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
         return maybe_compiled(_rms_norm)(x, self.weight, eps)
 

@@ -19,8 +19,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from milepost.core.train.megatron.fusions import maybe_compiled
 from torch import Tensor
+
+from milepost.core.train.megatron.fusions import maybe_compiled
 
 CHUNK_ELEMENTS = 1 << 27  # fp32 elements of one chunk (512 MiB)
 

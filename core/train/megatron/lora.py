@@ -84,8 +84,8 @@ class LayerAdapter(nn.Module):
         for target in cfg.target_modules:
             fan_in, fan_out = _shapes(spec)[target]
             bound = 1.0 / math.sqrt(fan_in)  # PEFT's kaiming_uniform(a=sqrt(5)), as core/train/lora.py
-            a = torch.empty(cfg.rank, fan_in, dtype=dtype).uniform_(-bound, bound,
-                                                                    generator=layer_generator(seed, hf_module(layer, target)))
+            generator = layer_generator(seed, hf_module(layer, target))
+            a = torch.empty(cfg.rank, fan_in, dtype=dtype).uniform_(-bound, bound, generator=generator)
             self.register_parameter(f"A_{target}", nn.Parameter(a.to(device)))
             self.register_parameter(f"B_{target}", nn.Parameter(torch.zeros(fan_out, cfg.rank, dtype=dtype,
                                                                             device=device)))
@@ -139,7 +139,8 @@ def attach(chunks: list[nn.Module], cfg: LoraConfig, spec: ModelSpec, tp_rank: i
     adapters = []
     for chunk in chunks:
         chunk.requires_grad_(False)
-        for layer in chunk.decoder.layers:
+        decoder: Any = chunk.decoder  # megatron's TransformerBlock
+        for layer in decoder.layers:
             index = layer.layer_number - 1  # global (megatron numbers layers from 1)
             if spec.is_moe_layer(index) and any(TARGETS[t][0].startswith("mlp.") for t in cfg.target_modules):
                 raise ValueError("train.lora on the MLP of an MoE layer is not supported by the megatron backend "
@@ -170,8 +171,8 @@ def adapter_state(adapters: list[LayerAdapter], cfg: LoraConfig) -> dict[str, to
 def load_adapter_state(adapters: list[LayerAdapter], cfg: LoraConfig, state: dict[str, torch.Tensor]) -> None:
     own = adapter_state(adapters, cfg)
     if set(own) != set(state):
-        raise ValueError(f"the adapter does not fit the model's LoRA layers: missing {sorted(set(own) - set(state))[:4]},"
-                         f" unexpected {sorted(set(state) - set(own))[:4]}")
+        raise ValueError(f"the adapter does not fit the model's LoRA layers: missing "
+                         f"{sorted(set(own) - set(state))[:4]}, unexpected {sorted(set(state) - set(own))[:4]}")
     with torch.no_grad():
         for name, tensor in own.items():
             tensor.copy_(state[name])

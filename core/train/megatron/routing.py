@@ -31,9 +31,10 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch import Tensor
+
 from milepost.core.algo.routing_replay import batch_routes
 from milepost.core.types import Sample
-from torch import Tensor
 
 TopK = Callable[..., tuple[Tensor, Tensor]]
 

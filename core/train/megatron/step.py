@@ -20,13 +20,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import Tensor
+
 from milepost.core.algo.losses import rl_loss
 from milepost.core.config import AlgoConfig
 from milepost.core.train.batch import collate, split_micro_batches
 from milepost.core.train.megatron.head import logprobs_and_entropy, response_logits
 from milepost.core.train.megatron.routing import micro_batch_routes
 from milepost.core.types import Sample
-from torch import Tensor
 
 
 @dataclass
@@ -41,7 +42,9 @@ class MicroBatch:
     routes: Tensor | None = None  # MoE: the engine's experts [layers, tokens, top_k] in megatron's order
 
     def to(self, device: torch.device) -> MicroBatch:
-        move = lambda t: t.to(device, non_blocking=True)
+        def move(t: Tensor) -> Tensor:
+            return t.to(device, non_blocking=True)
+
         return MicroBatch(move(self.input_ids), move(self.position_ids),
                           None if self.cu_seqlens is None else move(self.cu_seqlens), self.max_seqlen,
                           move(self.pick_rows), move(self.pick_cols), {k: move(v) for k, v in self.batch.items()},
