@@ -60,7 +60,7 @@ def parse_sampling(raw: Any) -> tuple[SamplingParams, int, bool]:
             raise BadRequest(f"unknown field `{key}`, expected one of {', '.join(SAMPLING_KEYS)}")
         if key in NEUTRAL_ONLY and val not in (None, SAMPLING_KEYS[key]):
             raise BadRequest(f"sampling param `{key}` is not supported by the built-in engine")
-    v = {k: raw.get(k) if raw.get(k) is not None else d for k, d in SAMPLING_KEYS.items()}
+    v: dict[str, Any] = {k: raw.get(k) if raw.get(k) is not None else d for k, d in SAMPLING_KEYS.items()}
     for key, typ in NUMBER_TYPES.items():
         val = v[key]
         if isinstance(val, bool) or not isinstance(val, (int, float)) or not math.isfinite(val) or (

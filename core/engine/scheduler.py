@@ -8,6 +8,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
+from typing import Any
 
 from milepost.core.engine.disk_load import checkpoint_files, load_tokenizer, read_checkpoint
 from milepost.core.engine.fast_path import (
@@ -58,7 +59,9 @@ class Scheduler:
                  weight_update_timeout_s: float = 300.0, deterministic: bool = False) -> None:
         self.model_path, self.weight_version, self.max_batch_size = model_path, weight_version, max_batch_size
         self.deterministic = deterministic  # --enable-deterministic-inference: batch-invariant outputs
-        self.ready, self.load_error = False, None
+        self.ready = False
+        self.load_error: str | None = None  # why the model failed to load (load_engine)
+        self.vocab_size = 0  # the model's, once loaded
         self.model_lock = threading.Lock()
         self._cv = threading.Condition()
         self._queue: deque[Sequence] = deque()
@@ -83,7 +86,7 @@ class Scheduler:
         dtype = model_dtype(self.dtype, device, self.model_path)
         self.model = load_model(self.model_path, device, dtype, self.quantization, lambda: self.receiver.generation)
         self.tokenizer = load_tokenizer(self.model_path)
-        cfg = self.model.config
+        cfg: Any = self.model.config  # a transformers PretrainedConfig
         gen_cfg = getattr(self.model, "generation_config", None)
         eos = getattr(gen_cfg, "eos_token_id", None) or cfg.eos_token_id
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
@@ -111,7 +114,7 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         futs = [loop.create_future() for _ in seqs]
         for s, f in zip(seqs, futs):
-            s.on_done = lambda _s, f=f: loop.call_soon_threadsafe(f.set_result, None)
+            s.on_done = lambda _s, f=f: _call_soon(loop, f)
         with self._cv:
             self._queue.extend(seqs)
             self._cv.notify_all()
@@ -268,6 +271,11 @@ class Scheduler:
         if version is not None:
             self.weight_version = str(version)
         return True, f"loaded {len(state)} tensors from {path}"
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, done: asyncio.Future[None]) -> None:
+    """Resolve `done` on its event loop (called from the scheduler's thread)."""
+    loop.call_soon_threadsafe(done.set_result, None)
 
 
 def load_engine(sched: Scheduler) -> None:
