@@ -33,7 +33,8 @@ class Section(BaseModel):
     @classmethod
     def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
         # pydantic reads `true` as 1 for an int field: `num_blocks: true` would run one block.
-        if isinstance(value, bool) and _is_number(cls.model_fields[info.field_name].annotation):
+        field = info.field_name  # always set for a field validator
+        if isinstance(value, bool) and field is not None and _is_number(cls.model_fields[field].annotation):
             raise ValueError(f"expected a number, got {str(value).lower()}; write the count or value itself")
         return value
 
@@ -79,7 +80,7 @@ class TinyModelConfig(Section):
     SECTION: ClassVar[str] = "model.tiny"  # where the recipe holds it, for errors
 
     @model_validator(mode="after")
-    def _heads_divide(self) -> "TinyModelConfig":
+    def _heads_divide(self) -> TinyModelConfig:
         if self.hidden_size % self.num_heads:
             raise ValueError(f"{self.SECTION}.hidden_size={self.hidden_size} is not divisible by num_heads="
                              f"{self.num_heads}; pick a hidden_size that is a multiple of num_heads")
@@ -98,7 +99,7 @@ class TinyMoeConfig(Section):
     router_aux_loss_coef: float = Field(0.01, ge=0.0, description="Load-balancing loss in the warm-start.")
 
     @model_validator(mode="after")
-    def _k_fits(self) -> "TinyMoeConfig":
+    def _k_fits(self) -> TinyMoeConfig:
         if self.num_experts_per_tok > self.num_experts:
             raise ValueError(f"model.tiny_moe.num_experts_per_tok={self.num_experts_per_tok} is more than "
                              f"num_experts={self.num_experts}; pick a top-k of at most num_experts")
@@ -280,7 +281,7 @@ class FilterConfig(Section):
                         "; fn(samples, context) -> (kept_samples, metrics).")
 
     @model_validator(mode="after")
-    def _bounds_ordered(self) -> "FilterConfig":
+    def _bounds_ordered(self) -> FilterConfig:
         lo, hi = self.min_response_tokens, self.max_response_tokens
         if lo is not None and hi is not None and lo > hi:
             raise ValueError(f"filters.min_response_tokens={lo} is above filters.max_response_tokens={hi}: "
@@ -389,7 +390,7 @@ class TrainConfig(Section):
         return betas
 
     @model_validator(mode="after")
-    def _layout_divides(self) -> "TrainConfig":
+    def _layout_divides(self) -> TrainConfig:
         m = self.megatron
         model_parallel = m.tensor_parallel * m.pipeline_parallel * m.context_parallel
         if self.backend == "megatron" and self.num_ranks % model_parallel:
@@ -523,7 +524,7 @@ mincpus network nice no-kill no-requeue nodefile nodelist ntasks ntasks-per-core
 ntasks-per-socket overcommit oversubscribe power prefer priority profile propagate reboot
 requeue reservation sockets-per-node spread-job switches thread-spec threads-per-core
 time-min tmp uid use-min-nodes wckey
-""".split())
+""".split())  # noqa: SIM905 - a word list, as Slurm's manual lists them
 
 # Options with a typed field: `extra` may not set them a second way.
 TYPED_DIRECTIVES = {
@@ -587,7 +588,7 @@ class SlurmOptions(BaseModel):
             check_directive_value(name, value)
         return extra
 
-    def with_resources(self, resources: BaseModel | None) -> "SlurmOptions":
+    def with_resources(self, resources: BaseModel | None) -> SlurmOptions:
         """These options with the resources that `resources` sets replacing the defaults."""
         if resources is None:
             return self
@@ -634,7 +635,7 @@ class Recipe(Section):
     metrics: MetricsConfig = MetricsConfig()
 
     @model_validator(mode="after")
-    def _check_cross_field(self) -> "Recipe":
+    def _check_cross_field(self) -> Recipe:
         if self.cluster.placement == "colocated" and self.loop.max_staleness > 0:
             raise ValueError(
                 f"loop.max_staleness={self.loop.max_staleness} needs cluster.placement: disaggregated: "

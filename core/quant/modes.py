@@ -23,8 +23,8 @@ executor). The trainer/engine logprob gap of each combination is measured every 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from milepost.core.config import Recipe
 from milepost.core.errors import UserError
@@ -52,13 +52,18 @@ class Device:
     def describe(self) -> str:
         return "a CPU" if self.kind == "cpu" else f"a CUDA device of compute capability {self.capability}"
 
+    def capable(self, capability: tuple[int, int]) -> bool:
+        """A CUDA device of at least this compute capability."""
+        return self.kind == "cuda" and self.capability is not None and self.capability >= capability
+
 
 def local_device() -> Device:
     """This machine's first CUDA device, or its CPU."""
     import torch
     if not torch.cuda.is_available():
         return Device("cpu")
-    return Device("cuda", tuple(torch.cuda.get_device_capability(0)))  # type: ignore[arg-type]
+    major, minor = torch.cuda.get_device_capability(0)
+    return Device("cuda", (major, minor))
 
 
 def engine_flags(rollout: str) -> dict[str, str]:
@@ -70,7 +75,7 @@ def engine_flags(rollout: str) -> dict[str, str]:
 
 
 def _fp8_problem(field: str, where: str, device: Device | None, todo: str) -> str:
-    if device is not None and not (device.kind == "cuda" and device.capability >= FP8_CAPABILITY):
+    if device is not None and not device.capable(FP8_CAPABILITY):
         return (f"{field} fp8 needs a CUDA device of compute capability >= 8.9 (FP8 matmuls), and {where} runs on "
                 f"{device.describe()}; use {field} bf16")
     return f"{field} fp8 is not built yet (issue 21: {todo}); use {field} bf16"
@@ -86,7 +91,7 @@ def train_problem(mode: str, backend: str, device: Device | None) -> str | None:
     if backend != "megatron":
         return (f"precision.train fp8 is built for train.backend megatron only (its linears' GEMMs through "
                 f"torch._scaled_mm), not train.backend {backend}; use train.backend megatron or precision.train bf16")
-    if device is not None and device.kind == "cuda" and device.capability < FP8_CAPABILITY:
+    if device is not None and device.kind == "cuda" and not device.capable(FP8_CAPABILITY):
         return _fp8_problem("precision.train", f"train.backend {backend} on this machine", device, "")
     return None
 

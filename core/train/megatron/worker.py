@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import random
+from collections.abc import Callable
 from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
@@ -36,8 +37,9 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+
 from milepost.core.algo.routing_replay import RankReplay
-from milepost.core.config import AlgoConfig, TrainConfig
+from milepost.core.config import AlgoConfig, LoraConfig, TrainConfig
 from milepost.core.quant.fp8_linear import Fp8Recipe
 from milepost.core.tcp_store import bound_store
 from milepost.core.train.batch import padding_sample
@@ -206,16 +208,21 @@ class MegatronRankWorker(SenderRank):
         return lora.attach(chunks, self.cfg.lora, self.spec, self.tp_rank, self.tp_size, self.seed, self.dtype,
                            self.device)
 
+    def _lora(self) -> tuple[list[Any], LoraConfig]:
+        """The adapters and train.lora (the callers run with train.lora set only)."""
+        assert self.adapters is not None and self.cfg.lora is not None, "train.lora is not set"
+        return self.adapters, self.cfg.lora
+
     def _adapter_state(self) -> dict[str, torch.Tensor]:
         from milepost.core.train.megatron import lora
-        return {n: t.cpu() for n, t in lora.adapter_state(self.adapters, self.cfg.lora).items()}
+        return {n: t.cpu() for n, t in lora.adapter_state(*self._lora()).items()}
 
     @compat
     def export_adapter(self, folder: str) -> None:
         """train.lora: the PEFT adapter folder (every rank holds the whole adapter; rank 0 writes)."""
         from milepost.core.train import lora
         if self.rank == 0:
-            lora.save_adapter(folder, self._adapter_state(), self.cfg.lora, self.model_path)
+            lora.save_adapter(folder, self._adapter_state(), self._lora()[1], self.model_path)
 
     def _build_chunks(self) -> list[Any]:
         vp = self.cfg.megatron.virtual_pipeline
@@ -289,11 +296,13 @@ class MegatronRankWorker(SenderRank):
 
     def _loss(self, model: Any, mb: MicroBatch, ref: torch.Tensor | None, normalizer: float,
               hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-        compare = None
+        compare: Callable[[torch.Tensor], dict[str, float]] | None = None
         if self.replay is not None and mb.routes is not None:  # agreement, gap with and without replay
-            replay = self.replay
-            compare = lambda lp: replay.compare(lp, mb.batch, mb.routes,
-                                                lambda: self._response_logprobs(model, mb))
+            replay, routes = self.replay, mb.routes
+
+            def compare_routes(lp: torch.Tensor) -> dict[str, float]:
+                return replay.compare(lp, mb.batch, routes, lambda: self._response_logprobs(model, mb))
+            compare = compare_routes
         loss, metrics = micro_batch_loss(hidden, model, mb, self.algo, self.temperature, normalizer,
                                          self.spec.vocab_size, self.tp_size, ref, self.cfg.megatron.fuse, compare)
         return loss, torch.ones((), dtype=torch.int, device=self.device), metrics
@@ -443,7 +452,8 @@ class MegatronRankWorker(SenderRank):
         if self.adapters is not None:
             self._load_lora(path)
         else:
-            self._load_dist(dist_checkpointing.load(self._sharded_state_dict(is_loading=True), str(Path(path) / "dist")))
+            sharded = self._sharded_state_dict(is_loading=True)
+            self._load_dist(dist_checkpointing.load(sharded, str(Path(path) / "dist")))
         if self.device.type == "cuda":  # the loaded param groups carry the writer's kernel choice
             use_fused_adam(self.optimizer)
         self.sched_step = json.loads(Path(path, "scheduler.json").read_text())["sched_step"]
@@ -456,7 +466,7 @@ class MegatronRankWorker(SenderRank):
 
     def _load_lora(self, path: str) -> None:
         from milepost.core.train.megatron import lora
-        lora.load_adapter_state(self.adapters, self.cfg.lora, torch.load(Path(path) / "adapter.pt", weights_only=True))
+        lora.load_adapter_state(*self._lora(), torch.load(Path(path) / "adapter.pt", weights_only=True))
         optim = Path(path) / f"optim_rank{self.rank}.pt"
         optim = optim if optim.exists() else Path(path) / "optim_rank0.pt"  # replicated adapter: equal states
         self.optimizer.load_state_dict(torch.load(optim, weights_only=False))
@@ -483,6 +493,7 @@ class MegatronRankWorker(SenderRank):
         """Gather the HF tensors `names` (all when None) of this stage onto this rank; only the
         megatron tensors that make them are all-gathered over TP (per bucket, not the model)."""
         from megatron.core import parallel_state as ps
+
         from milepost.core.train.megatron.converter import (
             global_names,
             mapping_for,
