@@ -43,3 +43,22 @@ def test_the_launcher_runs_the_module_that_serves() -> None:
     done = subprocess.run([sys.executable, "-m", BUILTIN_ENGINE_MODULE, "--help"], capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0 and "--model-path" in done.stdout, done.stderr
+
+
+def test_a_replaced_engine_swaps_the_fleets_lists_and_leaves_a_held_one_alone(tmp_path) -> None:
+    """The supervisor installs a restarted engine through `Fleet.replace_engine`: new lists,
+    so a list read before the restart still names the engines it named, and the replaced
+    engine's client is closed."""
+    from milepost.core.config import RolloutConfig
+    from milepost.core.fleet.fleet import Fleet
+
+    fleet = Fleet("/m", "0", RolloutConfig(), "127.0.0.1", log_dir=str(tmp_path))
+    before = [fleet.engine_client(f"http://127.0.0.1:{port}") for port in (1, 2)]
+    fleet.clients, fleet.engine_urls, fleet.actors = list(before), [c.base_url for c in before], ["a0", "a1"]
+    held_clients, held_urls = fleet.clients, fleet.engine_urls
+    successor = fleet.engine_client("http://127.0.0.1:3")
+    fleet.replace_engine(1, successor, successor.base_url, "a1'")
+    assert held_clients == before and held_urls == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    assert fleet.clients == [before[0], successor] and fleet.actors == ["a0", "a1'"]
+    assert fleet.engine_urls == ["http://127.0.0.1:1", "http://127.0.0.1:3"]
+    assert before[1]._http.is_closed and not before[0]._http.is_closed
