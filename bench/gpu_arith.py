@@ -9,7 +9,8 @@ Writes $OUT/gpu_arith.json (OUT defaults to ./out), rewritten after every phase 
 short still leaves what it measured, and each stage job's log under $OUT/logs/.
 
 The stages run as `python -m milepost.tasks.stage --campaign URL --block N --stage NAME`,
-the stage runner every executor and the Airflow DAG run; the campaign store is made by
+the stage runner every executor and the Airflow DAG run, submitted and waited on by the block
+driver (tasks/block_driver.py, through bench/stage_jobs.py); the campaign store is made by
 `prepare_campaign`, as `milepost run` makes it. A killed run_steps is run again on the
 block's live Ray cluster and fleet, which is what an Airflow retry of the task does (the
 stage then serves its checkpoint to the engines first: tasks/run_steps._serve_checkpoint).
