@@ -72,13 +72,14 @@ def summary(mode: str, wall: float, stages: dict[str, float], campaign: Path) ->
 
 def run_direct(work: Path, steps: int, env: dict[str, str]) -> str:
     code = ("import os, sys, time; from milepost.core.recipe_io import load_recipe; "
-            "from milepost.tasks.campaign import prepare_campaign; from milepost.tasks.block_driver import BlockDriver; "
+            "from milepost.tasks.campaign import prepare_campaign; "
+            "from milepost.tasks.block_driver import BlockDriver; "
             "p = prepare_campaign(load_recipe('recipes/tiny-arith.yaml', sys.argv[2:]), sys.argv[1]); "
             "t = time.time(); BlockDriver(p.store, p.recipe, driver_pid=os.getpid()).run_block(0); "
             "print('WALL', time.time() - t)")
     out = subprocess.run([sys.executable, "-c", code, str(work / "direct"), *overrides(steps)], cwd=ROOT, env=env,
                          capture_output=True, text=True, check=True, timeout=1800).stdout
-    wall = float(next(l for l in out.splitlines() if l.startswith("WALL")).split()[1])
+    wall = float(next(line for line in out.splitlines() if line.startswith("WALL")).split()[1])
     return summary("direct", wall, stage_seconds(work / "direct"), work / "direct")
 
 

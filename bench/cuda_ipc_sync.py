@@ -52,7 +52,7 @@ def buckets(specs: list[wire.Spec], bucket_bytes: int) -> list[list[wire.Spec]]:
     return out
 
 
-def trainer(conn, results, specs: list[wire.Spec], bucket_bytes: int, pushes: int) -> None:  # noqa: ANN001
+def trainer(conn, results, specs: list[wire.Spec], bucket_bytes: int, pushes: int) -> None:
     weights = {s["name"]: torch.randn(s["shape"], device="cuda").to(torch.bfloat16) for s in specs}
     plan = buckets(specs, bucket_bytes)
     flat = sglang_wire.shared_buffer(max(wire.offsets(b)[1] for b in plan), "cuda")
@@ -79,7 +79,7 @@ def trainer(conn, results, specs: list[wire.Spec], bucket_bytes: int, pushes: in
     results.put({"times": times, "buckets": len(plan), "phases": phases, "engine": conn.recv()})
 
 
-def engine(conn, specs: list[wire.Spec], keep_mappings: bool) -> None:  # noqa: ANN001
+def engine(conn, specs: list[wire.Spec], keep_mappings: bool) -> None:
     """`keep_mappings`: hold the last bucket decoded from each trainer buffer, so the next
     push's handle (the trainer reuses its buffer) is found in torch's cache instead of being
     opened again (cudaIpcOpenMemHandle); SGLang drops it after each load."""
@@ -148,7 +148,7 @@ def main() -> None:
     nbytes = sum(wire.spec_nbytes(s) for s in specs)
     rows = {keep: push(specs, args, keep) for keep in (False, True)}
     copy_s = device_copy_s(nbytes)
-    lines = [f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {torch.cuda.get_device_name()}, "
+    lines = [f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {torch.cuda.get_device_name()}, "
              f"torch {torch.__version__}: python bench/cuda_ipc_sync.py --params-gb {args.params_gb} "
              f"--bucket-mb {args.bucket_mb} --pushes {args.pushes}",
              f"weights: {len(specs)} bf16 tensors, {nbytes / 1e9:.3f} GB, {rows[False]['buckets']} buckets",

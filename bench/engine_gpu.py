@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 import torch
-
 from cuda_ipc_sync import device_copy_s  # bench/ is on the path when run as a script
+
 from milepost.core.engine.continuous import ContinuousGenerator
 from milepost.core.engine.generation import SamplingParams, Sequence
 from milepost.core.engine.static_model import kv_bytes_per_token
@@ -130,7 +130,7 @@ def main() -> None:
     model = qwen2_05b()
     bandwidth = copy_bandwidth()
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                    "date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+                    "date": f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
                     "command": "python bench/engine_gpu.py " + " ".join(f"--batches {b}" for b in args.batches),
                     "copy_bandwidth_GBps": bandwidth / 1e9, "rows": {}}
     lines = [f"# {result['date']}, {result['device']}, torch {torch.__version__}: {result['command']}",

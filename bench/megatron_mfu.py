@@ -127,7 +127,8 @@ def peak_gib() -> float:
 def make_samples(n: int, prompt_len: int, response_len: int, vocab: int, seed: int) -> list[Any]:
     from milepost.core.types import Sample
     rng = random.Random(seed)
-    return [Sample(prompt_index=i // 8, group_index=i // 8, prompt_ids=[rng.randrange(2, vocab) for _ in range(prompt_len)],
+    return [Sample(prompt_index=i // 8, group_index=i // 8,
+                   prompt_ids=[rng.randrange(2, vocab) for _ in range(prompt_len)],
                    response_ids=[rng.randrange(2, vocab) for _ in range(response_len)],
                    engine_logprobs=[-11.0] * response_len, loss_mask=[1] * response_len, finish_reason="length",
                    weight_version="0", label="", reward=rng.random(), advantage=rng.uniform(-1, 1))
@@ -153,11 +154,12 @@ def timed_steps(step: Callable[[], None], warmup: int, steps: int, name: str = "
 
 
 def hf_steps(path: str, samples: list[Any], mbs: int, use_rl_loss: bool, compile_layers: bool) -> Callable[[], None]:
+    from transformers import AutoModelForCausalLM
+
     from milepost.core.algo.losses import rl_loss
     from milepost.core.config import AlgoConfig
     from milepost.core.train.batch import collate, count_loss_tokens
     from milepost.core.train.logprobs import response_logprobs_and_entropy
-    from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").to(DEVICE)
     model.gradient_checkpointing_disable()
     if compile_layers:
@@ -289,16 +291,16 @@ def profile_step(step: Callable[[], None], path: Path, title: str) -> list[str]:
 
 def sdpa_bench(cfg: Any, mbs: int, seq: int) -> list[str]:
     """Forward+backward of one layer's attention at the bench's shape, per SDPA backend."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     q = torch.randn(mbs, hq, seq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(mbs, hkv, seq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn_like(k, requires_grad=True)
     flops = 4 * mbs * hq * seq * seq * d / 2 * 3.5  # causal fwd + bwd (2.5x)
     out = []
-    for name, backend in (("default", None), ("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
-                          ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+    for name, backend in (("default", None), ("flash", SDPBackend.FLASH_ATTENTION),
+                          ("cudnn", SDPBackend.CUDNN_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
         try:
             ctx = sdpa_kernel([backend]) if backend is not None else torch.enable_grad()
             with ctx:
@@ -307,7 +309,7 @@ def sdpa_bench(cfg: Any, mbs: int, seq: int) -> list[str]:
                     o.sum().backward()
                 s = timed_steps(run, 3, 10)
             out.append(f"{name} {s * 1e3:.2f} ms ({flops / s / 1e12:.0f} TFLOP/s)")
-        except Exception as exc:  # a backend that refuses these inputs
+        except Exception as exc:  # noqa: BLE001 - a backend that refuses these inputs
             out.append(f"{name} n/a ({str(exc).splitlines()[0][:60]})")
     return ["sdpa fwd+bwd, one layer [" + f"{mbs}x{hq}/{hkv} heads x {seq} x {d}]: " + "; ".join(out)]
 
@@ -359,10 +361,11 @@ def max_gap(a: list[list[float]], b: list[list[float]]) -> float:
 
 
 def round_trip(worker: Any, path: str, out: list[str], vocab: int) -> None:
+    from transformers import AutoModelForCausalLM
+
     from milepost.core.engine.generation import Generator, SamplingParams, make_sequences
     from milepost.core.train.megatron.converter import write_index
     from milepost.core.types import Sample
-    from transformers import AutoModelForCausalLM
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 references must be fp32
     export = tempfile.mkdtemp(prefix="megatron-export-")
     t0 = time.perf_counter()
@@ -380,7 +383,8 @@ def round_trip(worker: Any, path: str, out: list[str], vocab: int) -> None:
     engine_model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()  # Scheduler.load
     engine_sd = engine_model.state_dict()
     sha_export, sha_engine = state_sha256(exported), state_sha256({k: engine_sd[k] for k in exported})
-    tied = engine_model.get_output_embeddings().weight.data_ptr() == engine_model.get_input_embeddings().weight.data_ptr()
+    tied = (engine_model.get_output_embeddings().weight.data_ptr()
+            == engine_model.get_input_embeddings().weight.data_ptr())
     log(out, f"round trip: engine weights sha256 {sha_engine[:16]} == export {sha_export[:16]}: "
              f"{sha_engine == sha_export} (fp32 bytes of the {len(exported)} exported names); lm_head tied to "
              f"embed_tokens in the engine: {tied}")
@@ -405,7 +409,7 @@ def round_trip(worker: Any, path: str, out: list[str], vocab: int) -> None:
     try:
         gaps["megatron fp32 (export loaded by the converter)"] = max_gap(engine, megatron_fp32_logprobs(
             worker, export, samples))
-    except Exception:
+    except Exception:  # noqa: BLE001 - printed; the trainer's own gap is still measured
         traceback.print_exc()
     gaps[f"megatron trainer ({worker.precision})"] = max_gap(engine, worker.logprobs(samples))
     log(out, f"round trip: built-in engine (fp32, CPU) sampled {n_tok} tokens from the export; max |engine logprob - "
@@ -442,7 +446,8 @@ def main() -> None:
     skipped_head = 6 * cfg.vocab_size * cfg.hidden_size * args.prompt_len / seq  # per token, megatron only
     device_name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run)"
     import transformers
-    log(out, f"{device_name} | torch {torch.__version__} | transformers {transformers.__version__} | {args.shape}: {n_params / 1e9:.3f} B params, "
+    log(out, f"{device_name} | torch {torch.__version__} | transformers {transformers.__version__} | {args.shape}: "
+             f"{n_params / 1e9:.3f} B params, "
              f"random init | {args.samples} samples x {seq} tokens ({args.prompt_len} prompt + {args.response_len} "
              f"response) per step | {args.warmup} warm-up + {args.steps} timed steps")
     if args.sdpa and DEVICE == "cuda":
@@ -475,7 +480,7 @@ def main() -> None:
                     log(out, line)
             if i == 0 and not args.no_round_trip:
                 round_trip(worker, folder, out, cfg.vocab_size)
-        except Exception:
+        except Exception:  # noqa: BLE001 - reported in the table; the other trainers still run
             traceback.print_exc()
             log(out, f"{name} failed: {traceback.format_exc().splitlines()[-1]}")
         finally:
@@ -491,7 +496,7 @@ def main() -> None:
             results[name] = (timed_steps(step, args.warmup, args.steps, name), peak_gib())
             log(out, row(name))
             del step.model, step  # type: ignore[attr-defined]
-        except Exception:
+        except Exception:  # noqa: BLE001 - reported in the table; the other trainers still run
             log(out, f"{name} failed: {traceback.format_exc().splitlines()[-1]}")
         empty_cache()
     log(out, f"{'trainer':<28} {'s/step':>7} {'tok/s':>7} {'MFU(6N)':>8} {'6N+attn':>8} {'exec':>6} {'peak GiB':>9}"

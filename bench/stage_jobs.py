@@ -8,6 +8,7 @@ job) and is then run again, as an Airflow retry runs a task whose job died.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
 from milepost.core.checkpoint import CheckpointManager
 from milepost.core.records import Stage, StageState, block_path
 from milepost.tasks.block_driver import BlockDriver, StageFailed, SubmittedStage
@@ -85,13 +87,8 @@ class StageJobs:
         for attempt in range(2 if kill is not None else 1):
             began, jobs = time.monotonic(), []
             plan = kill if attempt == 0 else None
-
-            def watch(job: SubmittedStage) -> None:
-                jobs.append(job)  # for its log, copied whatever happens
-                self._kill_when_due(job, plan)
-
             try:
-                self.driver.run_stage(block, stage, watch=watch)
+                self.driver.run_stage(block, stage, watch=functools.partial(self._watch, jobs, plan))
                 return walls + [time.monotonic() - began]
             except StageFailed:
                 if not (plan and plan.report):  # failed by itself, not by the plan
@@ -108,7 +105,8 @@ class StageJobs:
         logs = Path(self.store.local_path(block_path(block, "logs")))
         if logs.is_dir():
             shutil.copytree(logs, self.logs / f"b{block}", dirs_exist_ok=True)
-        fleet = self.store.read_json(block_path(block, FLEET_DOC)) if self.store.exists(block_path(block, FLEET_DOC)) else {}
+        fleet_doc = block_path(block, FLEET_DOC)
+        fleet = self.store.read_json(fleet_doc) if self.store.exists(fleet_doc) else {}
         ranks = [m for p in sorted(self.logs.glob(f"b{block}-{Stage.RUN_STEPS.value}-*.log"))
                  for m in re.findall(r"megatron: \d+ rank\(s\) on (\[.*?\])", p.read_text(errors="replace"))]
         return {"engine_devices": [e.get("device", "") for e in fleet.get("engines", [])], "trainer_devices": ranks}
@@ -120,6 +118,10 @@ class StageJobs:
         """The stage job's output (stdout, then stderr) beside the other logs of this run."""
         paths = [p for job in jobs for p in (job.job.stdout_path, job.job.stderr_path) if p.exists()]
         self._log(block, stage, attempt).write_bytes(b"".join(p.read_bytes() for p in paths))
+
+    def _watch(self, jobs: list[SubmittedStage], plan: KillPlan | None, job: SubmittedStage) -> None:
+        jobs.append(job)  # for its log, copied whatever happens
+        self._kill_when_due(job, plan)
 
     def _kill_when_due(self, submitted: SubmittedStage, kill: KillPlan | None) -> None:
         """Wait for the plan's moment, then SIGKILL the stage (the pid its running record names,

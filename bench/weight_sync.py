@@ -23,8 +23,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import ray
 import torch
@@ -81,6 +82,7 @@ class CopyBaseline:
 
 def _gloo_rank(rank: int, port: int, nbytes: int, out: str, streams: int) -> None:
     import torch.distributed as dist
+
     from milepost.core.weight_sync import groups
     torch.set_num_threads(1)
     pg = groups.init_weight_group("127.0.0.1", port, rank, 2, "bench", 120, streams=streams)
@@ -109,9 +111,9 @@ def raw_gloo_gb_per_s(nbytes: int, tmp: Path, streams: int) -> float:
 
 def start_engine(model: str, log: Path) -> tuple[subprocess.Popen, EngineClient]:
     port = free_port()
+    log_file = open(log, "wb")  # noqa: SIM115 - the engine process writes it while it runs
     proc = subprocess.Popen([sys.executable, "-m", "milepost.core.engine.server", "--model-path", model,
-                             "--host", "127.0.0.1", "--port", str(port)], stdout=open(log, "wb"),
-                            stderr=subprocess.STDOUT)
+                             "--host", "127.0.0.1", "--port", str(port)], stdout=log_file, stderr=subprocess.STDOUT)
     client = EngineClient(f"http://127.0.0.1:{port}", timeout_s=600)
     deadline = time.monotonic() + 300
     while not client.health():
@@ -161,8 +163,8 @@ def main() -> None:
     say(f"# {time.strftime('%Y-%m-%d %H:%M')}: python bench/weight_sync.py {' '.join(sys.argv[1:])}")
     say(f"# weight sync bench: Qwen2 {args.layers} layers, hidden {args.hidden}, fp32, "
         f"{nbytes / 2**20:.0f} MiB of weights; {os.cpu_count()} cores; trainer: 1 Ray actor (1 torch "
-        f"thread, parameters packed, tensor copies on 2 threads); 1 engine process; distributed over {args.gloo_streams} gloo "
-        "stream(s) unless its row says otherwise")
+        f"thread, parameters packed, tensor copies on 2 threads); 1 engine process; distributed over "
+        f"{args.gloo_streams} gloo stream(s) unless its row says otherwise")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     # one torch thread (the default): a 2-thread torch copy of many tensors stalls whenever the
     # other core is busy (1.1 vs 10 GB/s measured); WeightSender splits its copy its own way

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from milepost.core.config import Recipe
 from milepost.core.data.arith import either_form_correct, is_builtin_arith
@@ -11,8 +11,11 @@ from milepost.core.model.loading import load_tokenizer
 from milepost.core.reward import RewardEvaluator, resolve_reward_fn
 from milepost.core.rollout import RolloutRequest, default_rollout, sampling_params_from
 
+if TYPE_CHECKING:
+    from milepost.core.fleet.fleet import Fleet
 
-def evaluate_fleet(recipe: Recipe, fleet: Any, model_path: str) -> dict[str, float]:
+
+def evaluate_fleet(recipe: Recipe, fleet: Fleet, model_path: str) -> dict[str, float]:
     tokenizer = load_tokenizer(model_path)
     rows = load_rows(recipe.data.eval_path, recipe.data.prompt_key, recipe.data.label_key,
                      builtin_rows=recipe.data.num_eval_rows, seed=recipe.seed)
@@ -36,6 +39,6 @@ def evaluate_fleet(recipe: Recipe, fleet: Any, model_path: str) -> dict[str, flo
     return result
 
 
-def record_base_eval(recipe: Recipe, fleet: Any, model_path: str) -> dict[str, float]:
+def record_base_eval(recipe: Recipe, fleet: Fleet, model_path: str) -> dict[str, float]:
     """The base policy's accuracy, measured once before any RL step."""
     return evaluate_fleet(recipe, fleet, model_path)

@@ -28,7 +28,7 @@ from milepost.core.checkpoint import CheckpointManager
 from milepost.core.config import Recipe
 from milepost.core.data.source import PromptSource
 from milepost.core.filters import FilterChain
-from milepost.core.fleet.client import EngineClient
+from milepost.core.fleet.client import EngineClient, GenerationClient
 from milepost.core.hooks import CommittedCheckpoint, Hooks
 from milepost.core.reward import RewardEvaluator, split_failed
 from milepost.core.rollout import RolloutFn, RolloutRequest, sampling_params_from
@@ -88,7 +88,7 @@ def summarize_rollout(samples: list[Sample]) -> dict[str, float]:
 
 
 class RLLoop:
-    def __init__(self, recipe: Recipe, *, backend: TrainBackend, router: EngineClient,
+    def __init__(self, recipe: Recipe, *, backend: TrainBackend, router: GenerationClient,
                  engines: list[EngineClient], source: PromptSource, rollout_fn: RolloutFn,
                  rewards: RewardEvaluator, transport: WeightTransport,
                  checkpoints: CheckpointManager, exports_dir: Path, stop_token_ids: list[int],

@@ -1,7 +1,7 @@
 """Rollout functions: prompts → samples, token in / token out, over the engine protocol.
 
-A rollout function receives narrow arguments (`RolloutRequest`) and an `EngineClient` for the
-router; it returns one `Sample` per generated response. It is named in the recipe by a
+A rollout function receives narrow arguments (`RolloutRequest`) and a `GenerationClient` (the
+router's `generate`); it returns one `Sample` per generated response. It is named in the recipe by a
 registered name or an import path and checked against `RolloutFn` at start-up.
 
 Determinism: in sync mode the prompts of a step are sent as one batched `/generate` per
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from milepost.core.config import RolloutConfig
-from milepost.core.fleet.client import EngineClient
+from milepost.core.fleet.client import GenerationClient
 from milepost.core.partial_rollout import PartialResponse, continue_cut_responses
 from milepost.core.plugins import Registry
 from milepost.core.types import Prompt, Sample
@@ -47,7 +47,7 @@ class RolloutRequest:
 
 
 class RolloutFn(Protocol):
-    def __call__(self, request: RolloutRequest, router: EngineClient) -> list[Sample]: ...
+    def __call__(self, request: RolloutRequest, router: GenerationClient) -> list[Sample]: ...
 
 
 def sampling_params_from(cfg: RolloutConfig, stop_token_ids: list[int], greedy: bool = False,
@@ -70,7 +70,7 @@ ROLLOUT_FUNCTIONS: Registry[RolloutFn] = Registry("rollout.function", RolloutFn)
 
 
 @ROLLOUT_FUNCTIONS.register("default")
-def default_rollout(request: RolloutRequest, router: EngineClient) -> list[Sample]:
+def default_rollout(request: RolloutRequest, router: GenerationClient) -> list[Sample]:
     n = request.num_samples_per_prompt
     chunks = _chunks(request.prompts, max(1, request.num_engines))
     offsets = [sum(len(c) for c in chunks[:i]) for i in range(len(chunks))]

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import yaml
+
 from milepost.core.records import (
     CAMPAIGNS_FILE_ENV,
     EMBEDDED_DRIVER_PID_ENV,

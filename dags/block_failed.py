@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from airflow.sdk import BaseOperator
+
 from milepost.core.records import BLOCK_STAGES, StageState
 from milepost.dags.progress import publish_note
 
@@ -46,6 +47,7 @@ class BlockFailedOperator(BaseOperator):
 
     def execute(self, context: Any) -> None:
         from airflow.sdk.exceptions import AirflowFailException
+
         from milepost.tasks.block_summary import failure_advice, failure_note
 
         block, dag_id, run_id = int(context["params"]["block"]), context["dag"].dag_id, context["run_id"]

@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 
 import yaml
+
 from milepost.core.records import CAMPAIGNS_FILE_ENV, CAMPAIGNS_ROOT_ENV
 from milepost.dags.factory import build_campaign_dag
 

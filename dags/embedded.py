@@ -15,6 +15,7 @@ task (`tasks.progression.after_evaluate`, idempotent) and stops on `done`, `paus
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -82,7 +83,8 @@ class EmbeddedRunner:
         from milepost.tasks.progression import after_evaluate
 
         while block is not None:
-            failure = retry_block(block, self.recipe.cluster.max_block_retries, lambda: self.run_block(block),
+            run = functools.partial(self.run_block, block)
+            failure = retry_block(block, self.recipe.cluster.max_block_retries, run,
                                   lambda line: self.logs.user.write(f"milepost: {line}\n"))
             if failure is not None:
                 return EXIT_REFUSED if failure.user_error else EXIT_FAILED

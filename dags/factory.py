@@ -20,11 +20,13 @@ torch/ray/transformers, no connection.
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 from pathlib import Path
 from typing import Any
 
 import yaml
 from airflow.sdk import DAG, Param, TriggerRule
+
 from milepost.core.records import BLOCK_STAGES, Stage, dag_id_for
 from milepost.dags.block_failed import BlockFailedOperator
 from milepost.dags.operators import StageOperator
@@ -125,7 +127,7 @@ def build_campaign_dag(recipe_path: str | Path, *, dag_id: str | None = None, ca
         doc_md=_doc_md(name, path, description, campaign.get("num_blocks", "?"), campaign.get("steps_per_block", "?"),
                        cluster.get("executor", "local")),
         schedule=None,
-        start_date=dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc),
+        start_date=dt.datetime(2026, 1, 1, tzinfo=dt.UTC),
         catchup=False,
         max_active_runs=1,  # two blocks of one campaign never run at once
         tags=sorted({*TAGS, f"recipe:{name}", *tags}),
@@ -147,7 +149,7 @@ def build_campaign_dag(recipe_path: str | Path, *, dag_id: str | None = None, ca
     with dag:
         stages = [StageOperator(task_id=stage.value, stage=stage.value, recipe_path=str(path),
                                 poll_interval_s=poll_interval_s) for stage in BLOCK_STAGES]
-        for upstream, downstream in zip(stages, stages[1:]):
+        for upstream, downstream in itertools.pairwise(stages):
             upstream >> downstream
         teardown = StageOperator(task_id=Stage.TEARDOWN.value, stage=Stage.TEARDOWN.value, recipe_path=str(path),
                                  poll_interval_s=poll_interval_s, trigger_rule=TriggerRule.ALL_DONE,

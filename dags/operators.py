@@ -24,6 +24,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator
+
 from milepost.core.records import (
     EMBEDDED_DRIVER_PID_ENV,
     LEASE_OWNER_ENV,
@@ -87,6 +88,7 @@ class StageOperator(BaseOperator):
 
     def _prepare_campaign(self, context: Any, url: str, overrides: list[str]) -> None:
         from airflow.sdk.exceptions import AirflowFailException
+
         from milepost.core.recipe_io import load_recipe
         from milepost.tasks.campaign import prepare_campaign
 
@@ -103,6 +105,7 @@ class StageOperator(BaseOperator):
         import time as _time
 
         from airflow.sdk.exceptions import AirflowFailException
+
         from milepost.tasks import lease
         from milepost.tasks.progression import CampaignPaused, check_can_start
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from airflow.sdk import BaseOperator
+
 from milepost.core.records import block_label
 from milepost.dags.operators import embedded
 

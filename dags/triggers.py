@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
+
 from milepost.core.records import StageRecord
 
 # Clock slack between the worker that submitted a job and the process that recorded its end.
@@ -37,7 +38,7 @@ def iso_time(epoch_s: float) -> str:
     """A timestamp as a person and `epoch_of` read it: `2026-12-04T12:31:29.673+00:00`."""
     import datetime as dt
 
-    return dt.datetime.fromtimestamp(epoch_s, dt.timezone.utc).isoformat(timespec="milliseconds")
+    return dt.datetime.fromtimestamp(epoch_s, dt.UTC).isoformat(timespec="milliseconds")
 
 
 def epoch_of(value: float | str) -> float:

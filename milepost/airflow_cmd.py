@@ -96,7 +96,7 @@ def up(work: str | Path = DEFAULT_WORK, port: int | None = None, parallelism: in
         proc = subprocess.Popen(["airflow", "standalone"], env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True,
 
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # noqa: PLW1509
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     url = f"http://127.0.0.1:{port}"
     state = {"pid": proc.pid, "pid_created_at": psutil.Process(proc.pid).create_time(), "url": url,
              "home": str(home), "log": str(log_path), "started_at": time.time()}

@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_RUNTIME
     except UserError as e:  # raised past a command's own checks: still the user's to fix, no traceback
         return _bad_input(e)
-    except Exception as e:  # noqa: BLE001 - a runtime failure: say what broke, exit 1
+    except Exception as e:  # a runtime failure: say what broke, exit 1
         logging.getLogger("milepost").exception("campaign failed")
         print(f"milepost: runtime failure: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_RUNTIME

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import base64
 import html
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from milepost.core.records import block_path
 from milepost.core.store import CampaignStore
 from milepost.tasks.block_summary import REPORT_HTML
-
 
 # Per-step columns: (metric key, heading, format).
 STEP_COLUMNS = (("rollout/reward_mean", "reward", ".3f"), ("loss/kl", "KL", ".4f"), ("loss/entropy", "entropy", ".3f"),

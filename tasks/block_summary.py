@@ -43,7 +43,7 @@ class BlockSummary:
 
 def human_duration(seconds: float) -> str:
     """`45 s`, `2 min 15 s`, `3 h 04 min`, `2 d 5 h`: what a person reads at a glance."""
-    s = max(0, int(round(seconds)))
+    s = max(0, round(seconds))
     if s < 60:
         return f"{s} s"
     if s < 3600:
@@ -221,7 +221,8 @@ def step_line(row: dict[str, Any]) -> str:
 
 def stage_done_line(block: int, stage: Stage, record: StageRecord) -> str:
     """What a finished stage did, in words, for the end of its job's log."""
-    took = f" in {human_duration(record.duration_s)}" if record.started_at and record.finished_at else ""
+    duration = record.duration_s if record.started_at and record.finished_at else None
+    took = f" in {human_duration(duration)}" if duration is not None else ""
     what = {
         Stage.START_RAY: lambda r: f"Ray at {r.get('address') or r.get('ray_address') or '?'}",
         Stage.START_ENGINES: lambda r: f"{len(r.get('engine_urls') or [])} engine(s) serving policy "

@@ -8,8 +8,8 @@ before anything is written to the store, so bad input exits 2 with nothing writt
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from milepost.core.config import Recipe
 from milepost.core.data.arith import check_builtin_dataset

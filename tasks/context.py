@@ -4,13 +4,17 @@ cluster and fleet as the store records them (never in-memory objects of another 
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from milepost.core.checkpoint import CheckpointManager
 from milepost.core.config import Recipe
 from milepost.core.records import Stage, StageRecord, StageState, block_path, campaign_id
 from milepost.core.store import CampaignStore
+
+if TYPE_CHECKING:
+    from milepost.core.fleet.fleet import Fleet
 
 FLEET_DOC = "fleet.json"
 ENGINE_ADMIN_KEY = "engine_admin_key"  # secret name: the engines' --admin-api-key (core/secrets.py)
@@ -28,7 +32,7 @@ class StageContext:
     _auth_before: dict[str, str | None] | None = field(default=None, repr=False)
 
     @classmethod
-    def open(cls, url: str, block: int) -> "StageContext":
+    def open(cls, url: str, block: int) -> StageContext:
         store = CampaignStore(url)
         recipe = store.load_recipe()
         checkpoints = CheckpointManager(store.local_path("checkpoints"), recipe.checkpoint.keep_last)
@@ -64,17 +68,17 @@ class StageContext:
 
         launch = self.record(Stage.START_RAY)
         address = launch.outputs.get("address") if launch else None
-        if not address or launch.state not in (StageState.DONE, StageState.RUNNING):
+        if launch is None or not address or launch.state not in (StageState.DONE, StageState.RUNNING):
             raise RuntimeError(f"block {self.block} has no live Ray cluster recorded "
                                f"({launch.state if launch else 'no start_ray record'}): start_ray must run first")
         _check_reachable(address, launch)
         if not ray.is_initialized():
             from milepost.tasks.ray_auth import use_campaign_ray_auth
             self._auth_before = use_campaign_ray_auth(self.store)
-            ray.init(address=address, namespace=self.namespace, log_to_driver=False, logging_level="WARNING")
+            ray.init(address=address, namespace=self.namespace, log_to_driver=False, logging_level=logging.WARNING)
         return address
 
-    def disconnect(self) -> None:  # noqa: D102 - leaves the cluster, stops nothing of it
+    def disconnect(self) -> None:  # leaves the cluster, stops nothing of it
         import sys
         if "ray" in sys.modules and sys.modules["ray"].is_initialized():
             sys.modules["ray"].shutdown()
@@ -91,7 +95,7 @@ class StageContext:
         rel = block_path(self.block, FLEET_DOC)
         return self.store.read_json(rel) if self.store.exists(rel) else None
 
-    def attach_fleet(self) -> Any:
+    def attach_fleet(self) -> Fleet:
         """The fleet the start_engines stage started, with a supervisor of this stage's own."""
         from milepost.core.fleet.fleet import Fleet
 

@@ -117,8 +117,8 @@ def fleet_lines(recipe: Recipe, root: str, block: int = 0) -> list[str]:
     template = engine_command(r, model, "0", colocated=colocated, host=host, admin_key=True, lora=recipe.train.lora,
                               moe=is_moe_model(recipe.model.path), precision=recipe.precision.rollout)
     bundles = placement.bundles()
-    out = [f"== {Stage.START_ENGINES}: {r.num_engines} × {r.engine} engine (TP {r.engine_tensor_parallel}), {placement.mode}, "
-           f"as detached Ray actors; placement group {GROUP_NAME} (PACK), bundles: {bundles}",
+    out = [f"== {Stage.START_ENGINES}: {r.num_engines} × {r.engine} engine (TP {r.engine_tensor_parallel}), "
+           f"{placement.mode}, as detached Ray actors; placement group {GROUP_NAME} (PACK), bundles: {bundles}",
            f"  trainer: {recipe.train.num_ranks} {recipe.train.backend} ranks, rank r on bundle r"]
     gpus = engine_gpus(r)
     for i in range(r.num_engines):

@@ -9,7 +9,7 @@ and `log` (its job's stderr). A stage killed from outside records nothing: its j
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from milepost.core.records import Stage, StageRecord, StageState
 

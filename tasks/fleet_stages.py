@@ -20,8 +20,8 @@ def start_engines(ctx: StageContext) -> dict[str, Any]:
     engine health-checked. At the campaign's start (policy version 0) it also measures the base
     policy on the eval set (base_eval.json, once): the fleet is up here, and the base policy
     must be measured before run_steps changes it."""
-    from milepost.core.fleet.fleet import Fleet, stop_fleet_actors
     from milepost.core.evaluate import record_base_eval
+    from milepost.core.fleet.fleet import Fleet, stop_fleet_actors
     from milepost.core.placement import placement_for
     from milepost.core.train.torch_backend import RANK_NUM_CPUS
 

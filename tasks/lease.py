@@ -29,10 +29,14 @@ import os
 import socket
 import time
 from collections.abc import Iterator
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import psutil
+
 from milepost.core.store import CampaignStore
+
+if TYPE_CHECKING:
+    import threading
 
 LEASE_DOC = "lease.json"
 DEFAULT_TTL_S = 600.0
@@ -84,7 +88,8 @@ def _describe(lease: dict[str, Any], now: float) -> str:
     return f"{lease['owner']}{where}, lease expires in {max(0.0, lease['expires_at'] - now):.0f}s"
 
 
-def acquire(store: CampaignStore, owner: str, ttl_s: float = DEFAULT_TTL_S, *, pid: int | None = None) -> dict[str, Any]:
+def acquire(store: CampaignStore, owner: str, ttl_s: float = DEFAULT_TTL_S, *,
+            pid: int | None = None) -> dict[str, Any]:
     """Take or renew the lease for `owner`; `pid` (a local process that holds it) lets a
     later run take over at once when that process is gone. Raises LeaseHeldError."""
     if ttl_s <= 0:
@@ -139,7 +144,7 @@ class LeaseKeeper:
     def __init__(self, store: CampaignStore, owner: str, ttl_s: float = DEFAULT_TTL_S) -> None:
         self.store, self.owner, self.ttl_s = store, owner, ttl_s
         self.lost: LeaseHeldError | None = None
-        self._stop = None
+        self._stop: threading.Event | None = None
 
     def __enter__(self) -> Self:
         import threading

@@ -15,8 +15,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import psutil
 
@@ -74,7 +75,7 @@ def head_command(ports: RayPorts, temp_dir: str) -> list[str]:
 
 
 def start_local_head(ports: RayPorts, temp_dir: str, log_path: Path, auth_env: dict[str, str],
-                     on_started: Callable[[int, float], None]) -> dict[str, Any]:
+                     on_started: Callable[[int, float], object]) -> dict[str, Any]:
     """Start the head with the campaign's Ray auth (`auth_env`, see tasks.ray_auth);
     `on_started(pid, create_time)` records it before anything is awaited.
     Returns {"address", "pids", "pids_created_at", "node_ips"} once the head accepts drivers."""
@@ -104,7 +105,7 @@ def _wait_listening(proc: subprocess.Popen, ip: str, port: int, log_path: Path) 
             return
         except OSError:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the local Ray head did not listen on {ip}:{port} in {START_TIMEOUT_S}s")
+                raise RuntimeError(f"the local Ray head did not listen on {ip}:{port} in {START_TIMEOUT_S}s") from None
             time.sleep(0.2)
 
 
@@ -141,9 +142,9 @@ def collect(pids: list[tuple[int, float]], temp_dir: str | None, extra_pids: lis
             if temp_dir in " ".join(proc.info["cmdline"] or []):
                 roots.append(proc)
     for pid in extra_pids:
-        proc = _owned(pid, None)
-        if proc and proc.create_time() >= since - 1.0 and _is_fleet_process(proc):
-            roots.append(proc)
+        owned = _owned(pid, None)
+        if owned and owned.create_time() >= since - 1.0 and _is_fleet_process(owned):
+            roots.append(owned)
     for root in roots:
         found[root.pid] = root
         try:

@@ -140,8 +140,9 @@ def _decide(store: CampaignStore, recipe: Recipe, block: int, verdict: dict[str,
     if verdict["verdict"] == "regressed":
         return Decision("paused", block, following, "campaign paused by the regression gate: block "
                         f"{block} accuracy {verdict['accuracy']:.3f} is more than {verdict['max_eval_drop']} below "
-                        f"the best block {verdict['best_block']} ({verdict['best_accuracy']:.3f}). Resume it (`milepost run --resume`, or trigger the DAG "
-                        f"with resume=true) to run the next block from block {verdict['best_block']}'s checkpoint.")
+                        f"the best block {verdict['best_block']} ({verdict['best_accuracy']:.3f}). Resume it "
+                        f"(`milepost run --resume`, or trigger the DAG with resume=true) to run the next block "
+                        f"from block {verdict['best_block']}'s checkpoint.")
     if following is None:
         return Decision("done", block, None, f"campaign complete: {recipe.campaign.num_blocks} block(s)")
     if progress["stop_requested"]:

@@ -71,7 +71,7 @@ def _reload_ray_auth_state() -> None:
     ray = sys.modules.get("ray")
     if ray is None or ray.is_initialized():
         return
-    from ray._raylet import AuthenticationTokenLoader, Config
+    from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]  # private, no stubs
     Config.initialize("")
     AuthenticationTokenLoader.instance().reset_cache()
 

@@ -26,8 +26,8 @@ import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import psutil

@@ -12,10 +12,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from milepost.core.config import Recipe
 from milepost.core.data.source import DataCursor, PromptSource, load_rows
-from milepost.core.fleet.direct import direct_client
-from milepost.core.fleet.fleet import FleetTransport
 from milepost.core.extensions import resolve_extensions, trainer_algo
+from milepost.core.fleet.direct import direct_client
+from milepost.core.fleet.fleet import Fleet, FleetTransport
 from milepost.core.hooks import BlockInfo
 from milepost.core.loop import LoopState, RLLoop
 from milepost.core.metrics.publish import eval_rows, open_sinks, record_train_start
@@ -23,6 +24,7 @@ from milepost.core.model.loading import load_tokenizer
 from milepost.core.model.moe import is_moe_model
 from milepost.core.records import Stage
 from milepost.core.reward import RewardEvaluator
+from milepost.core.train.backend import TrainBackend
 from milepost.core.train.factory import create_backend
 from milepost.core.weight_sync import build_transport
 from milepost.core.weight_sync.lora_push import LoraTransport
@@ -32,7 +34,7 @@ from milepost.tasks.context import StageContext
 log = logging.getLogger(__name__)
 
 
-def _restore(ctx: StageContext, backend: Any) -> LoopState:
+def _restore(ctx: StageContext, backend: TrainBackend) -> LoopState:
     latest = ctx.checkpoints.latest_valid()
     if latest is None:
         return LoopState()
@@ -63,7 +65,7 @@ def run_steps(ctx: StageContext) -> dict[str, Any]:
         fleet.detach()
 
 
-def _rank_gpus(recipe: Any) -> list[float]:
+def _rank_gpus(recipe: Recipe) -> list[float]:
     """What each trainer rank asks of its bundle (core/placement.py: a GPU, a share, or none)."""
     from milepost.core.placement import placement_for
     from milepost.core.train.torch_backend import RANK_NUM_CPUS
@@ -137,7 +139,7 @@ def _train(ctx: StageContext, fleet: Any, tokenizer: Any, start_path: str) -> di
         backend.shutdown()
 
 
-def _served_policy(ctx: StageContext, backend: Any, start_path: str) -> str:
+def _served_policy(ctx: StageContext, backend: TrainBackend, start_path: str) -> str:
     """What the engines must serve before the first rollout: the weights the trainer starts
     from, or with train.lora its adapter (the checkpoint's, or the fresh one exported)."""
     if ctx.recipe.train.lora is None:
@@ -150,7 +152,8 @@ def _served_policy(ctx: StageContext, backend: Any, start_path: str) -> str:
     return str(path)
 
 
-def _serve_checkpoint(fleet: Any, transport: Any, path: str, version: int, backend: Any) -> None:
+def _serve_checkpoint(fleet: Fleet, transport: FleetTransport, path: str, version: int,
+                      backend: TrainBackend) -> None:
     """Before this stage's first rollout, the engines serve exactly the weights it resumes from.
     A retried run_steps stage needs it (Airflow retries the task when its job dies; the fleet of
     the start_engines stage lives on): the killed attempt may have pushed weights newer than its

@@ -21,8 +21,8 @@ sequence's logits do not depend on the others (SGLang's --enable-deterministic-i
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Callable
 
 import torch
 
@@ -44,7 +44,10 @@ class ContinuousGenerator:
         self.rows: list[Sequence] = []
         self.pos: list[int] = []  # each row's input position of the next step
         dev = self.decoder.device
-        zeros = lambda dtype, *shape: torch.zeros(num_slots, *shape, dtype=dtype, device=dev)
+
+        def zeros(dtype: torch.dtype, *shape: int) -> torch.Tensor:
+            return torch.zeros(num_slots, *shape, dtype=dtype, device=dev)
+
         self.buf = {  # per-row state on the device; moved together on compaction
             "out_tokens": zeros(torch.long, max_len), "out_logprobs": zeros(torch.float32, max_len),
             "n_out": zeros(torch.long), "temperature": zeros(torch.float32), "top_k": zeros(torch.long),
@@ -189,14 +192,17 @@ class ContinuousGenerator:
             finished(s)
 
     def _stop_string_rows(self, skip: set[int]) -> set[int]:
-        rows = [i for i, s in enumerate(self.rows) if s.params.stop and self.decode_text and i not in skip]
+        decode = self.decode_text
+        if decode is None:  # no tokenizer: no stop strings
+            return set()
+        rows = [i for i, s in enumerate(self.rows) if s.params.stop and i not in skip]
         if not rows:
             return set()
         idx = torch.tensor(rows, device=self.decoder.device)
         n_out = self.buf["n_out"][idx].tolist()
         tails = self.buf["out_tokens"][idx].tolist()
         return {i for k, i in enumerate(rows)
-                if any(self.decode_text(tails[k][max(0, n_out[k] - 16):n_out[k]]).endswith(x)
+                if any(decode(tails[k][max(0, n_out[k] - 16):n_out[k]]).endswith(x)
                        for x in self.rows[i].params.stop)}
 
     def _matched(self, s: Sequence) -> str | None:

@@ -73,6 +73,7 @@ def fast_path_problem(sched: Scheduler, model: torch.nn.Module) -> str | None:
     device = next(model.parameters()).device
     if sched.decode_path == "auto" and device.type != "cuda":
         return "a CPU device (the fast path is the default on CUDA)"
+    problem: str | None
     if sched.lora.enabled or sched.routed_experts:
         problem = "LoRA adapters" if sched.lora.enabled else "routed-expert capture"
     elif sched.quantization:  # quantized.py: int4 layers dequantise in their own forward
@@ -171,7 +172,7 @@ class ContinuousDriver:
         with self.sched._cv:
             self.sched._running.remove(seq)
             self.sched._cv.notify_all()
-        seq.on_done(seq)
+        seq.finished()
 
     def _fail(self, seqs: list[Sequence], message: str) -> None:
         for seq in seqs:

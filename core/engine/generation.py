@@ -14,9 +14,10 @@ from __future__ import annotations
 import inspect
 import random
 import threading
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -53,9 +54,14 @@ class Sequence:
     input_logprobs: list[float | None] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
     abort_message: str | None = None
-    on_done: Callable[["Sequence"], None] | None = None
+    on_done: Callable[[Sequence], None] | None = None
     lora_name: str | None = None  # the LoRA adapter it runs with (core/engine/lora_adapter.py); None: base
     routed_experts: list[torch.Tensor] = field(default_factory=list)  # [positions, layers, top_k] per forward
+
+    def finished(self) -> None:
+        """Hand the finished sequence to its owner (`on_done`, where one waits for it)."""
+        if self.on_done is not None:
+            self.on_done(self)
 
     def reset(self) -> None:
         """Forget partial output (retract): it is recomputed from the same seed."""
@@ -273,5 +279,7 @@ class Generator:
         return s.finish_reason is not None
 
     def _matched_str(self, s: Sequence) -> str | None:
+        if self.decode is None:  # no tokenizer: no stop strings
+            return None
         tail = self.decode(s.output_ids[-16:])
         return next((x for x in s.params.stop if tail.endswith(x)), None)

@@ -23,7 +23,7 @@ class GroupReceiver:
     under the receiver's update lock (receive) or for group set-up, which touches only the
     dicts (atomic operations)."""
 
-    def __init__(self, receiver: "WeightReceiver") -> None:
+    def __init__(self, receiver: WeightReceiver) -> None:
         self.receiver = receiver
         self._groups: dict[str, tuple[Any, int]] = {}  # name → (group, streams)
         self._broken: dict[str, str] = {}
@@ -77,13 +77,16 @@ class GroupReceiver:
         flat = self.receiver.shadow_span(specs) if keep else None
         offs, total = wire.offsets(specs)
         staged = flat is None  # then received into the reused buffer, copied to the shadows after
-        if staged:
+        if flat is None:
             if self._flat is None or self._flat.numel() < total:
                 self._flat = torch.empty(total, dtype=torch.uint8, device=self._device())
             flat = self._flat[:total].view(wire.parse_dtype(specs[0]["dtype"]))
         self._wait([dist.broadcast(p, src=0, group=pg, async_op=True) for p in groups.flat_pieces(flat, streams)])
-        for s, o in zip(specs, offs) if keep and staged else ():
-            self.receiver.shadow(s["name"]).copy_(wire.view(self._flat, o, s))
+        if keep and staged:
+            buffer = self._flat
+            assert buffer is not None  # the staged branch above made it
+            for s, o in zip(specs, offs):
+                self.receiver.shadow(s["name"]).copy_(wire.view(buffer, o, s))
 
     def _receive_each(self, specs: list[wire.Spec], pg: Any, keep: bool) -> None:
         """One broadcast per tensor, straight into its shadow when the dtypes match."""

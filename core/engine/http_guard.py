@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import json
 import secrets
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 ALWAYS_OPEN_PREFIXES = ("/health", "/ready", "/metrics")
 PUBLIC_ROUTES = frozenset({"/generate", "/model_info", "/get_model_info", "/server_info", "/get_server_info",

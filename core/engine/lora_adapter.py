@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -153,7 +154,8 @@ def take_batch(queue: deque, max_size: int) -> list[Any]:
     name = queue[0].lora_name
     if all(s.lora_name == name for s in queue):
         return [queue.popleft() for _ in range(min(max_size, len(queue)))]
-    batch, rest = [], deque()
+    batch: list[Any] = []
+    rest: deque[Any] = deque()
     while queue:
         s = queue.popleft()
         (batch if s.lora_name == name and len(batch) < max_size else rest).append(s)

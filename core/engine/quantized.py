@@ -26,7 +26,8 @@ layer the dequantised one. Float32 values survive JSON exactly, so callers compa
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -74,8 +75,9 @@ def serve_int4(model: torch.nn.Module, generation: Callable[[], int]) -> list[st
         if type(layer) is not torch.nn.Linear:
             raise TypeError(f"int4 serving expects plain nn.Linear layers, got {type(layer).__name__}")
         layer.__class__ = Int4Linear
-        layer.generation = generation
-        layer.refresh()
+        int4 = cast(Int4Linear, layer)  # what it now is
+        int4.generation = generation
+        int4.refresh()
     return sorted(layers)
 
 
@@ -90,7 +92,8 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, quantization
     if quantization == "int4" and dtype != torch.float32:
         raise ValueError(f"--quantization int4 dequantises to float32 (as the int4_qat trainer computes), not "
                          f"{dtype}: pass --dtype float32")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    # transformers types .to() through a decorator's wrapper, which mypy cannot call
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()  # type: ignore[arg-type]
     if quantization == "int4":
         serve_int4(model, generation)
     return model
@@ -101,6 +104,7 @@ def served_rows(model: torch.nn.Module, name: str, truncate_size: int) -> list[A
     matmul uses it, float32 (a tied lm_head is the embedding)."""
     module_name, _, leaf = name.rpartition(".")
     module = model.get_submodule(module_name) if module_name else model
+    tensor: torch.Tensor | None
     if isinstance(module, Int4Linear) and leaf == "weight":
         tensor = module.served_weight()
     else:

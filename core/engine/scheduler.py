@@ -146,7 +146,7 @@ class Scheduler:
                     self._queue.extendleft(reversed(batch))
                 self._cv.notify_all()
             for s in batch if done else []:
-                s.on_done(s)
+                s.finished()
 
     def _gather(self) -> None:
         """Batching window (caller holds `_cv`): wait while sequences keep arriving, each
@@ -195,7 +195,9 @@ class Scheduler:
     def abort(self, rid: str, message: str) -> None:
         """Abort running and queued sequences of one rid (or "all")."""
         with self._cv:
-            hit = lambda s: rid == "all" or s.rid == rid
+            def hit(s: Sequence) -> bool:
+                return rid == "all" or s.rid == rid
+
             for s in self._running:
                 if hit(s):
                     s.abort_message = message
@@ -203,7 +205,7 @@ class Scheduler:
             self._queue = deque(s for s in self._queue if not hit(s))
         for s in dropped:
             s.finish_reason = {"type": "abort", "message": message}
-            s.on_done(s)
+            s.finished()
 
     def busy_reason(self) -> str | None:
         """Why the engine is not idle (requests running or queued), or None."""

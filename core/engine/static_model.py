@@ -25,6 +25,8 @@ else is refused by `unsupported_reason` and served by the HF path (generation.py
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -34,7 +36,7 @@ LENGTH_BUCKET = 256
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why the fast path cannot run this model, or None."""
-    cfg = model.config
+    cfg: Any = model.config  # a transformers config
     if cfg.model_type not in SUPPORTED_TYPES:
         return f"model_type {cfg.model_type!r} (fast path: {', '.join(SUPPORTED_TYPES)})"
     rope = getattr(cfg, "rope_scaling", None) or getattr(cfg, "rope_parameters", None) or {}
@@ -46,7 +48,7 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
-def kv_bytes_per_token(config: object, dtype: torch.dtype) -> int:
+def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
     """Bytes one token's keys and values take in the cache, all layers."""
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -61,9 +63,11 @@ def batch_buckets(num_slots: int) -> list[int]:
 
 
 class StaticDecoder:
-    """Forward passes of `model` over a static cache of `num_slots` × `max_len` tokens."""
+    """Forward passes of `model` over a static cache of `num_slots` × `max_len` tokens. `model`:
+    a transformers causal LM of SUPPORTED_TYPES (.config, .model's embed_tokens, layers, norm and
+    rotary_emb, .lm_head), read by attribute."""
 
-    def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int, use_graphs: bool) -> None:
+    def __init__(self, model: Any, num_slots: int, max_len: int, use_graphs: bool) -> None:
         cfg = model.config
         self.model, self.num_slots, self.max_len = model, num_slots, max_len
         self.layers = model.model.layers
@@ -76,7 +80,7 @@ class StaticDecoder:
         self.buckets = batch_buckets(num_slots)
         self.cache: torch.Tensor | None = None
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._pool = None
+        self._pool: Any = None  # torch.cuda.graph_pool_handle()
         self._fused: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] | None = None
         with torch.inference_mode():
             positions = torch.arange(max_len, device=self.device).unsqueeze(0)
@@ -121,11 +125,21 @@ class StaticDecoder:
         if self._fused is None:
             self.fuse_weights()
 
+    def _weights(self, index: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Layer `index`'s fused (qkv weight, qkv bias, gate_up weight): _ready_weights first."""
+        assert self._fused is not None, "_ready_weights() first"
+        return self._fused[index]
+
+    def _allocated(self) -> torch.Tensor:
+        assert self.cache is not None, "allocate() first"
+        return self.cache
+
     def move_rows(self, src: list[int], dst: list[int]) -> None:
         """Copy the cache rows `src` into `dst` (compaction when sequences leave)."""
         if src:
             s, d = (torch.tensor(x, device=self.device) for x in (src, dst))
-            self.cache[:, :, d] = self.cache[:, :, s]
+            cache = self._allocated()
+            cache[:, :, d] = cache[:, :, s]
             self.in_tokens[d] = self.in_tokens[s]
             self.in_pos[d] = self.in_pos[s]
 
@@ -133,7 +147,7 @@ class StaticDecoder:
     def _qkv(self, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, hidden] → q [B, heads, T, dim], k and v [B, kv_heads, T, dim], rotated."""
-        a, (weight, bias, _) = self.layers[index].self_attn, self._fused[index]
+        a, (weight, bias, _) = self.layers[index].self_attn, self._weights(index)
         shape = (*x.shape[:2], -1, self.head_dim)
         kv = self.kv_heads * self.head_dim
         q, k, v = F.linear(x, weight, bias).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
@@ -145,7 +159,7 @@ class StaticDecoder:
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
     def _finish_layer(self, index: int, residual: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        layer, gate_up = self.layers[index], self._fused[index][2]
+        layer, gate_up = self.layers[index], self._weights(index)[2]
         x = residual + layer.self_attn.o_proj(attn)
         gate, up = F.linear(_rms_norm(layer.post_attention_layernorm, x), gate_up).chunk(2, dim=-1)
         return x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
@@ -162,10 +176,11 @@ class StaticDecoder:
         rows = slice(first_row, first_row + len(prompts))
         x = self.model.model.embed_tokens(ids.to(self.device))
         cos, sin = self.cos[:width].unsqueeze(0), self.sin[:width].unsqueeze(0)
+        cache = self._allocated()
         for index, layer in enumerate(self.layers):
             q, k, v = self._qkv(index, _rms_norm(layer.input_layernorm, x), cos, sin)
-            self.cache[index, 0, rows, :, :width] = k
-            self.cache[index, 1, rows, :, :width] = v
+            cache[index, 0, rows, :, :width] = k
+            cache[index, 1, rows, :, :width] = v
             k, v = (t.repeat_interleave(self.group, dim=1) for t in (k, v))
             attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             x = self._finish_layer(index, x, attn.transpose(1, 2).reshape(*x.shape[:2], -1))
@@ -181,12 +196,13 @@ class StaticDecoder:
         x = self.model.model.embed_tokens(tokens).unsqueeze(1)
         cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)
         mask = (self._key_pos[:length].unsqueeze(0) <= pos.unsqueeze(1)).view(batch, 1, 1, length)
+        cache = self._allocated()
         for index, layer in enumerate(self.layers):
             q, k, v = self._qkv(index, _rms_norm(layer.input_layernorm, x), cos, sin)
-            self.cache[index, 0, rows, :, pos] = k[:, :, 0]
-            self.cache[index, 1, rows, :, pos] = v[:, :, 0]
-            keys = self.cache[index, 0, :batch, :, :length]
-            values = self.cache[index, 1, :batch, :, :length]
+            cache[index, 0, rows, :, pos] = k[:, :, 0]
+            cache[index, 1, rows, :, pos] = v[:, :, 0]
+            keys = cache[index, 0, :batch, :, :length]
+            values = cache[index, 1, :batch, :, :length]
             q = q.reshape(batch, self.kv_heads, self.group, self.head_dim)
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
             x = self._finish_layer(index, x, attn.reshape(batch, 1, -1))
@@ -246,8 +262,9 @@ def _row_offsets(params: list[torch.Tensor]) -> list[int]:
     return offsets
 
 
-def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The model's RMSNorm as torch's one fused op (HF's takes ~7 kernels), its weight and eps.
+def _rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
+    """The model's RMSNorm (`norm`: HF's, with weight and variance_epsilon) as torch's one fused
+    op (HF's takes ~7 kernels), its weight and eps.
     It rounds once where HF rounds twice (the normalised input, then the product)."""
     return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
 

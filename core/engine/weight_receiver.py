@@ -10,9 +10,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -140,18 +141,18 @@ class WeightReceiver:
                 return 400, f"session discarded because an update failed ({s.failed}); {served}"
             if s.version is None:
                 return 200, f"session closed with no new weight_version: staged tensors discarded; {served}"
-            return self._commit(s)
+            return self._commit(s, s.version)
         finally:
             self._update_lock.release()
 
-    def _commit(self, s: Session) -> Reply:
+    def _commit(self, s: Session, version: str) -> Reply:
         if not self.sched.model_lock.acquire(timeout=self.lock_timeout_s):
             self._discard(s)
             return 503, f"model busy for {self.lock_timeout_s} s; still serving {self.sched.weight_version}"
         try:
             for canonical, (tensor, lease) in s.staged.items():
                 self._swap_in(canonical, tensor, lease)
-            self.sched.weight_version = s.version
+            self.sched.weight_version = version
         finally:
             self.sched.model_lock.release()
         return 200, f"committed {len(s.staged)} tensors as weight_version {s.version}"
@@ -267,7 +268,7 @@ class WeightReceiver:
             return self._fail(str(exc), exc.status)
         except ValueError as exc:  # a malformed request (descriptor, dtype)
             return self._fail(str(exc), 400)
-        except Exception as exc:  # noqa: BLE001 - any failure must leave the live weights untouched
+        except Exception as exc:  # any failure must leave the live weights untouched
             log.exception("weight update failed")
             return self._fail(f"{type(exc).__name__}: {exc}", 500)
         finally:
@@ -347,7 +348,7 @@ class WeightReceiver:
         shadows = [self._shadows.get(c) for _, c, _ in named]
         flat = None
         if all(b is not None and b.shape == live.shape for b, (_, _, live) in zip(shadows, named)):
-            flat = wire.span(shadows)
+            flat = wire.span(cast("list[torch.Tensor]", shadows))  # none is None: checked above
         if flat is None:
             for _, canonical, _ in named:  # free the old shadows first: no third copy of the weights
                 self._shadows.pop(canonical, None)

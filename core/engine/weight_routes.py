@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -40,7 +41,7 @@ def _field(body: dict, key: str, kind: type | tuple[type, ...], default: Any = _
             raise FieldError(f"`{key}` is required")
         return default
     value = body[key]
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise FieldError(f"`{key}` must be {getattr(kind, '__name__', kind)}, got {value!r:.80}")
     return value
 

@@ -119,8 +119,9 @@ class EngineActor:
         self._remove_private_dir()
 
     def __del__(self) -> None:
-        if getattr(self, "proc", None) is not None:
-            _kill_group(self.proc, 0.0)
+        proc = getattr(self, "proc", None)  # None too when __init__ did not finish
+        if proc is not None:
+            _kill_group(proc, 0.0)
 
 
 def _kill_group(proc: subprocess.Popen, timeout_s: float) -> None:
@@ -158,9 +159,9 @@ class RouterActor:
 
     def start(self, worker_urls: list[str], policy: str, host: str | None) -> dict:
         """Launch the router in front of `worker_urls`; {"url", "pid", "actor_pid", "log_path"}."""
-        self.router = Router.start(worker_urls, policy=policy, host=host or node_ip(), log_path=self.log_path)
-        return {"url": self.router.url, "pid": self.router.proc.pid, "actor_pid": os.getpid(),
-                "log_path": self.log_path}
+        self.router = router = Router.start(worker_urls, policy=policy, host=host or node_ip(), log_path=self.log_path)
+        assert router.proc is not None  # Router.start launched it
+        return {"url": router.url, "pid": router.proc.pid, "actor_pid": os.getpid(), "log_path": self.log_path}
 
     def stop(self) -> None:
         if self.router is not None:

@@ -55,7 +55,7 @@ def probe_engine(url: str, engine: str, admin_key: str | None = None, timeout_s:
         model_info = next((r for r in MODEL_INFO_ROUTES if http.get(r).status_code == 200), None)
     if model_info is None:
         missing.append(" or ".join(MODEL_INFO_ROUTES))
-    if missing:
+    if missing or model_info is None:  # model_info None: its routes are in `missing`
         raise EngineRefused(f"{engine} engine at {url} (version {version}) lacks {', '.join(missing)}: milepost "
                             "drives SGLang 0.5.23's weight-update protocol; install that build "
                             "(pip install 'milepost[sglang]') or a newer one")

@@ -13,7 +13,7 @@ engines, so the key would travel with every /generate for nothing.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -43,6 +43,18 @@ def _server_message(reply: httpx.Response) -> str:
             err = err.get("message", err)
         return str(err)[:500]
     return str(body)[:500]
+
+
+class GenerationClient(Protocol):
+    """What a rollout calls on its router: EngineClient.generate (and base_url, for log lines).
+    Rollouts get EngineClient or a wrapper with the same generate: RetryingClient (retries on an
+    engine's loss), DirectEngines (picks an engine: MoE), AdapterRequests (names the LoRA adapter)."""
+
+    base_url: str
+
+    def generate(self, input_ids: list[int] | list[list[int]] | None = None,
+                 sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None, return_logprob: bool = False,
+                 text: str | list[str] | None = None, timeout_s: float | None = None, **extra: Any) -> Any: ...
 
 
 class EngineClient:

@@ -22,10 +22,14 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from milepost.core.fleet.client import EngineClient, EngineError
 from milepost.core.fleet.retrying import RetryingClient, is_retryable
+
+if TYPE_CHECKING:
+    from milepost.core.fleet.fleet import Fleet
 
 FAILED_COOLDOWN_S = 5.0
 
@@ -71,7 +75,7 @@ class DirectEngines:
             return dict(self._in_flight)
 
 
-def direct_client(fleet: Any) -> RetryingClient:
+def direct_client(fleet: Fleet) -> RetryingClient:
     """The fleet's generation client for MoE rollouts: like `fleet.router_client` (same retry
     window and restart-budget check), but straight to the engines."""
     return RetryingClient(DirectEngines(fleet.supervisor.live_clients),

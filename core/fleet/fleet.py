@@ -26,7 +26,8 @@ import contextlib
 import tempfile
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 import ray
@@ -41,6 +42,7 @@ from milepost.core.fleet.router import Router
 from milepost.core.fleet.supervisor import FleetError, FleetSupervisor, Slot, stop_actors
 from milepost.core.placement import Placement, actor_strategy, ensure_group, find_group
 from milepost.core.train.lora import is_adapter_folder
+from milepost.core.weight_sync.base import WeightSource
 from milepost.core.weight_sync.lora_push import ADAPTER_NAME, AdapterRequests, load_served
 
 if TYPE_CHECKING:  # the fleet does not depend on which transports exist
@@ -112,7 +114,7 @@ class Fleet:
               host: str | None = "127.0.0.1", *, load_delay_s: float = 0.0, log_dir: str | None = None,
               detached: bool = False, on_change: Callable[[dict[str, Any]], None] | None = None,
               placement: Placement | None = None, admin_key_path: str | None = None,
-              lora: LoraConfig | None = None, precision: str = "fp32") -> "Fleet":
+              lora: LoraConfig | None = None, precision: str = "fp32") -> Fleet:
         """Launch the engines, wait until each is healthy, start the router in front.
         `host` None: each engine and the router bind their node's IP (multi-node clusters).
         `load_delay_s` (tests only) makes every engine's cold start that much slower.
@@ -144,7 +146,7 @@ class Fleet:
     @classmethod
     def attach(cls, doc: dict[str, Any], cfg: RolloutConfig,
                on_change: Callable[[dict[str, Any]], None] | None = None,
-               admin_key_path: str | None = None) -> "Fleet":
+               admin_key_path: str | None = None) -> Fleet:
         """Re-attach to a detached fleet described by `doc` (from `describe()`), with a
         supervisor of its own. The caller is connected to the fleet's Ray cluster and
         namespace. An engine whose actor is gone is replaced at the supervisor's first check."""
@@ -188,7 +190,8 @@ class Fleet:
         log_path = f"{self.log_dir}/router.log"
         options = self.actor_options("router")
         self.router_name = options["name"]
-        self.router_actor = RouterActor.options(**options).remote(log_path)
+        # ray.remote's class decorator is typed as returning the class itself
+        self.router_actor = RouterActor.options(**options).remote(log_path)  # type: ignore[attr-defined]
         info = ray.get(self.router_actor.start.remote(list(self.engine_urls), self.cfg.router_policy, self.host))
         self.router_pid = info["pid"]
         return Router.attach(info["url"], list(self.engine_urls), log_path)
@@ -394,7 +397,7 @@ class FleetTransport:
         self.release_tags = list(getattr(inner, "release_tags", ("weights", "kv_cache")))
 
     def push(self, clients: list[EngineClient], export_dir: str, version: str,
-             backend: Any = None) -> dict[str, float]:
+             backend: WeightSource | None = None) -> dict[str, float]:
         del clients  # the fleet's live engines now, not a list captured earlier
         extra = {} if backend is None else {"backend": backend}
         for attempt in (1, 2):

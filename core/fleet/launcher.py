@@ -146,7 +146,7 @@ class EngineCommand:
         """argv as one shell line: every value quoted, `Deferred` placeholders left as they are."""
         return " ".join(w if isinstance(w, Deferred) else shlex.quote(w) for w in self.argv())
 
-    def resolve(self, **values: Any) -> "EngineCommand":
+    def resolve(self, **values: Any) -> EngineCommand:
         """This command with its `Deferred` values replaced (host, port, nccl_port, config_path, python)."""
         cmd = dataclasses.replace(self, **values)
         left = [n for n in ("host", "port", "nccl_port", "config_path", "python")
@@ -189,7 +189,7 @@ def engine_command(cfg: RolloutConfig, model_path: str, weight_version: str, *, 
     precision.rollout, as --dtype (and --quantization) flags."""
     s = cfg.sglang
     flags = engine_flags(precision)
-    common = dict(engine=cfg.engine, model_path=model_path, host=host or NODE_IP, port=FREE_PORT,
+    common: dict[str, Any] = dict(engine=cfg.engine, model_path=model_path, host=host or NODE_IP, port=FREE_PORT,
                   dtype=flags["dtype"], quantization=flags.get("quantization"),
                   weight_version=str(weight_version), max_running_requests=cfg.max_batch_size,
                   config_path=ADMIN_CONFIG if admin_key else None, load_delay_s=load_delay_s,

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from milepost.core.fleet.client import EngineClient, EngineError
+from milepost.core.fleet.client import EngineError, GenerationClient
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class RetryingClient:
     Thread-safe: the wrapped client is, and `num_retries` is only a counter for metrics.
     """
 
-    def __init__(self, inner: EngineClient, window_s: float = 60.0, backoff_s: float = 0.25,
+    def __init__(self, inner: GenerationClient, window_s: float = 60.0, backoff_s: float = 0.25,
                  max_backoff_s: float = 2.0, check: Callable[[], None] | None = None,
                  retry_aborted: bool = True) -> None:
         self.inner, self.window_s, self.check = inner, window_s, check

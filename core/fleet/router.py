@@ -54,7 +54,7 @@ def ip_literal(host: str) -> str:
     """A hostname resolved to an IP literal, as the router demands (IPv4 preferred)."""
     infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
     infos.sort(key=lambda i: i[0] != socket.AF_INET)
-    return infos[0][4][0]
+    return str(infos[0][4][0])  # the address of (address, port[, ...]): a str for IPv4 and IPv6
 
 
 def _url_host(ip: str) -> str:
@@ -87,14 +87,14 @@ class Router:
         self.proc, self.url, self.log_path, self.worker_urls = proc, url, log_path, worker_urls
 
     @classmethod
-    def attach(cls, url: str, worker_urls: list[str], log_path: str) -> "Router":
+    def attach(cls, url: str, worker_urls: list[str], log_path: str) -> Router:
         """A handle on a router another process started (e.g. a RouterActor): its HTTP API
         only; `stop` is a no-op, the router's owner stops it."""
         return cls(None, url, log_path, [_ip_url(u) for u in worker_urls])
 
     @classmethod
     def start(cls, worker_urls: list[str], policy: str = "round_robin", host: str = "127.0.0.1",
-              timeout_s: float = 60.0, log_path: str | None = None) -> "Router":
+              timeout_s: float = 60.0, log_path: str | None = None) -> Router:
         """Launch, then wait until every worker is listed in GET /workers."""
         ip = ip_literal(host)
         port, prom_port = free_port(ip), free_port(ip)
@@ -114,7 +114,7 @@ class Router:
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        missing = list(self.worker_urls)
+        missing: list[str] | None = list(self.worker_urls)
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RouterError(f"router exited with {self.proc.returncode}:\n{self.log_tail()}")

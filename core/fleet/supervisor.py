@@ -112,7 +112,7 @@ class FleetSupervisor:
     - `error` is set once; then every watch thread exits and nothing is restarted again.
     """
 
-    def __init__(self, fleet: "Fleet", cfg: RolloutConfig, load_delay_s: float = 0.0) -> None:
+    def __init__(self, fleet: Fleet, cfg: RolloutConfig, load_delay_s: float = 0.0) -> None:
         self.fleet, self.cfg, self.load_delay_s = fleet, cfg, load_delay_s
         self.slots: list[Slot] = []
         self.events: list[dict[str, Any]] = []  # one per restart, with its timings
@@ -154,8 +154,8 @@ class FleetSupervisor:
                 return
             time.sleep(0.1)
         late = [s for s in self.slots if s.state != "serving"]
-        raise FleetError("engines not serving after %.0fs: %s" % (timeout_s, "; ".join(
-            f"engine {s.index} ({s.url}, {s.state}), log {s.log_path}:\n{log_tail(s.log_path)}" for s in late)))
+        raise FleetError(f"engines not serving after {timeout_s:.0f}s: " + "; ".join(
+            f"engine {s.index} ({s.url}, {s.state}), log {s.log_path}:\n{log_tail(s.log_path)}" for s in late))
 
     def raise_if_failed(self) -> None:
         if self.error is not None:
@@ -187,7 +187,7 @@ class FleetSupervisor:
                 return
             try:
                 self._tick(index)
-            except Exception:  # noqa: BLE001 - a bug here must not silently end supervision
+            except Exception:  # a bug here must not silently end supervision
                 if self._stopping.is_set():
                     return  # stop() closed the clients under a check in flight
                 log.exception("fleet supervisor: checking engine %d failed", index)
@@ -323,7 +323,8 @@ class FleetSupervisor:
     def _launch_remote(self, index: int, generation: int) -> tuple[int, int, Any, str, Any, str]:
         log_path = f"{self.fleet.log_dir}/engine-{index}.{generation}.log"
         options = {**self.fleet.actor_options(f"engine-{index}.{generation}"), **self.fleet.engine_placement(index)}
-        actor = EngineActor.options(**options).remote(log_path)
+        # ray.remote's class decorator is typed as returning the class itself
+        actor = EngineActor.options(**options).remote(log_path)  # type: ignore[attr-defined]
         command = self.fleet.engine_command(self.load_delay_s)
         ref = actor.launch.remote(command, self.fleet.admin_key_path)
         return index, generation, actor, log_path, ref, options.get("name", "")

@@ -16,7 +16,7 @@ left behind, not fatal: it is read back again at the next publish and catches up
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class SinkSet:
         self.sinks = sinks
         self._held: dict[str, Held | None] = {s.name: None for s in sinks}
 
-    def publish(self, rows: list[Mapping[str, Any]]) -> dict[str, int]:
+    def publish(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, int]:
         """Write the (step, tag) pairs of `rows` each sink lacks; returns pairs written per sink."""
         written = {}
         for sink in self.sinks:
@@ -78,7 +78,7 @@ class SinkSet:
                 written[sink.name] = 0
         return written
 
-    def _publish_one(self, sink: MetricSink, rows: list[Mapping[str, Any]]) -> int:
+    def _publish_one(self, sink: MetricSink, rows: Sequence[Mapping[str, Any]]) -> int:
         held = self._held[sink.name]
         if held is None:
             held = sink.held()

@@ -22,6 +22,7 @@ import json
 import math
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -126,8 +127,8 @@ def is_adapter_folder(path: str | Path) -> bool:
     return (Path(path) / ADAPTER_CONFIG).is_file()
 
 
-def read_adapter(path: str | Path) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
-    """(adapter_config.json, tensors) of a PEFT adapter folder."""
+def read_adapter(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(adapter_config.json, its JSON as read; tensors) of a PEFT adapter folder."""
     folder = Path(path)
     if not is_adapter_folder(folder):
         raise FileNotFoundError(f"{folder} is not a PEFT adapter folder (no {ADAPTER_CONFIG})")

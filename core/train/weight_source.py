@@ -37,6 +37,7 @@ class SenderRank:
         may be taken on the node's address (measured: Ray's agents serve HTTP there, and an
         engine joining the group then pinged an HTTP server)."""
         import ray  # rank workers also run without Ray (bench/megatron_mfu.py on a bare GPU machine)
+
         from milepost.core.fleet.router import free_port
         address = ray.util.get_node_ip_address()
         return address, free_port(address)
@@ -66,8 +67,8 @@ class RankActors:
         import ray
         try:
             ray.get([a.shutdown.remote() for a in self.actors], timeout=60)
-        except Exception:
-            pass  # an actor that is already gone has no group to destroy
+        except Exception:  # noqa: BLE001 - an actor that is already gone has no group to destroy
+            pass
         for a in self.actors:
             ray.kill(a)
         self.actors = []

@@ -78,8 +78,9 @@ class DistributedTransport(SessionTransport):
         flattened = self._streams > 1 if self.flattened is None else self.flattened
         fmt = "flattened_bucket" if flattened else None
         flush = self.pause_mode != "in_place"
-        nbytes = 0
-        for i, bucket in enumerate(self.plan(backend, deadline)):
+
+        def send(i: int, bucket: list[wire.Spec]) -> int:
+            """Bucket i: the trainer broadcasts while every engine receives; its bytes."""
             if not flattened:  # a flattened bucket keeps its order: it is one span of bytes
                 bucket = groups.interleave(bucket, self._streams)
             names = [s["name"] for s in bucket]
@@ -89,8 +90,9 @@ class DistributedTransport(SessionTransport):
             on_engines(pool, clients, "update_weights_from_distributed", lambda c: c.update_weights_from_distributed(
                 names, dtypes, shapes, group, fmt, flush, timeout_s=deadline.left()), deadline)
             result(sender, deadline, f"trainer broadcasting bucket {i}")
-            nbytes += wire.offsets(bucket)[1]
-        return nbytes
+            return wire.offsets(bucket)[1]
+
+        return sum(send(i, bucket) for i, bucket in enumerate(self.plan(backend, deadline)))
 
     def _engine_failure_cleanup(self, client: EngineClient, deadline: Deadline) -> None:
         if self._group is not None:

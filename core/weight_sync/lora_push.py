@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from milepost.core.fleet.client import EngineClient, EngineError
+from milepost.core.fleet.client import EngineClient, EngineError, GenerationClient
 from milepost.core.train.lora import ADAPTER_WEIGHTS, is_adapter_folder, read_adapter
 from milepost.core.weight_sync.base import (
     Deadline,
@@ -81,7 +81,7 @@ class AdapterRequests:
     """A client (the router's) whose /generate names the served adapter while `adapter()`
     returns one (before the first push a fleet serves the base model: no lora_path)."""
 
-    def __init__(self, inner: EngineClient, adapter: Callable[[], str | None]) -> None:
+    def __init__(self, inner: GenerationClient, adapter: Callable[[], str | None]) -> None:
         self.inner, self.adapter = inner, adapter
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:

@@ -10,8 +10,16 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from milepost.core.fleet.client import EngineClient
-from milepost.core.weight_sync.base import (Deadline, WeightSource, WeightSyncError, best_effort, no_reply,
-                                            on_engines, result, verify_versions)
+from milepost.core.weight_sync.base import (
+    Deadline,
+    WeightSource,
+    WeightSyncError,
+    best_effort,
+    no_reply,
+    on_engines,
+    result,
+    verify_versions,
+)
 
 log = logging.getLogger("milepost.weight_sync")
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -73,7 +81,7 @@ class SessionTransport:
             try:
                 nbytes, send_s = self._attempt(clients, version, backend)
                 break
-            except Exception as exc:  # noqa: BLE001 - every failure is retried or reported
+            except Exception as exc:  # every failure is retried or reported
                 log.warning("%s weight sync attempt %d/%d failed: %s%s", self.name, attempt, self.num_attempts, exc,
                             self._restore_note())
                 restored += sum(note.startswith("restored") for note in self._restored.values())

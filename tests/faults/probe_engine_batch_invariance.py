@@ -12,7 +12,9 @@ import sys
 
 import torch
 from transformers import AutoModelForCausalLM
+
 from milepost.core.engine.generation import Generator, SamplingParams, make_sequences
+
 torch.manual_seed(0)
 m = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
 g = Generator(m, [1], 0)

@@ -8,6 +8,7 @@ Run through the device tool: `python -m pytest -q -m gpu tests/gpu/test_engine_g
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,11 @@ def _model(seed: int) -> torch.nn.Module:
     return Qwen2ForCausalLM(_config()).to(torch.bfloat16).cuda().eval()
 
 
+def _feeder(queue: list) -> Callable[[int], list]:
+    """The generator's source: up to `free` sequences from the front of `queue`."""
+    return lambda free: [queue.pop(0) for _ in range(min(free, len(queue)))]
+
+
 def test_graph_replay_equals_eager_decoding() -> None:
     from milepost.core.engine.continuous import ContinuousGenerator
     from milepost.core.engine.generation import SamplingParams, Sequence
@@ -43,8 +49,7 @@ def test_graph_replay_equals_eager_decoding() -> None:
         gen = ContinuousGenerator(model, [1], num_slots=16, max_len=512, use_graphs=graphs)
         seqs = [Sequence(list(p), SamplingParams(max_new_tokens=40, temperature=1.0, ignore_eos=True), seed=i)
                 for i, p in enumerate(PROMPTS * 3)]
-        queue = list(seqs)
-        assert gen.run(lambda free: [queue.pop(0) for _ in range(min(free, len(queue)))], lambda s: None)
+        assert gen.run(_feeder(list(seqs)), lambda s: None)
         outs.append([(s.output_ids, s.output_logprobs) for s in seqs])
         assert gen.decoder.use_graphs == graphs and (not graphs or gen.decoder._graphs)
     assert outs[0] == outs[1]

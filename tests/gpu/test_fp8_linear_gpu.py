@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+
 from milepost.core.quant.fp8_linear import E4M3, E5M2, Fp8Recipe, _compiled_quantize, fp8_linear, quantize_t
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(

@@ -10,13 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from tinymodels import save_tiny_qwen2
 
 from milepost.core.config import RolloutConfig
 from milepost.core.fleet.launcher import PLACEHOLDERS
 from milepost.tasks.dry_run import RANK_CPUS
-
-from tinymodels import save_tiny_qwen2
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -98,7 +96,8 @@ def test_a_real_fleet_runs_the_dry_run_command(tmp_path) -> None:
                          re.M).group(1)
     expected = re.escape(template.replace("{builtin:tiny-arith model, built and cached at first use}", "@MODEL@"))
     for placeholder, pattern in (("python", r"\S+/python\S*"), ("\\{free_port\\}", r"\d+"),
-                                 ("\\{admin_config_yaml\\}", r"/\S+/engine-admin\.yaml"), ("@MODEL@", re.escape(model))):
+                                 ("\\{admin_config_yaml\\}", r"/\S+/engine-admin\.yaml"),
+                                 ("@MODEL@", re.escape(model))):
         expected = expected.replace(placeholder, pattern, 1)
     assert re.fullmatch(expected, launched), (template, launched)
     assert version == "milepost built-in"  # read by the admission probe

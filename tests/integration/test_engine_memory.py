@@ -9,12 +9,11 @@ import time
 
 import pytest
 import torch
+from tinymodels import start_engines, stop_engines
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from milepost.core.fleet.client import EngineError
 from milepost.core.weight_sync import build_transport
-
-from tinymodels import start_engines, stop_engines
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 PROMPTS = [[3, 4, 5], [7, 8, 9, 10], [11]]

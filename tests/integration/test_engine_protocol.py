@@ -8,11 +8,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from tinymodels import save_tiny_qwen2, start_engines, stop_engines
 
 from milepost.core.fleet.client import EngineClient, EngineError
 from milepost.core.fleet.router import Router
-
-from tinymodels import save_tiny_qwen2, start_engines, stop_engines
 
 
 @pytest.fixture(scope="module")

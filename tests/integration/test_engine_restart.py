@@ -9,20 +9,20 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 import pytest
 import ray
+from tinymodels import save_tiny_qwen2
 
 from milepost.core.config import RolloutConfig
 from milepost.core.fleet.fleet import Fleet, FleetError, FleetTransport
 from milepost.core.rollout import RolloutRequest, default_rollout
 from milepost.core.types import Prompt, Sample
 from milepost.core.weight_sync import build_transport
-
-from tinymodels import save_tiny_qwen2
 
 log = logging.getLogger(__name__)
 N = 4  # samples per prompt

@@ -12,14 +12,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from tinymodels import save_tiny_qwen2, start_engines, stop_engines
 
-from milepost.core.fleet.client import EngineClient, EngineError
 from milepost.core.engine.http_guard import PUBLIC_ROUTES
 from milepost.core.engine.routes import create_app
 from milepost.core.engine.scheduler import Scheduler
+from milepost.core.fleet.client import EngineClient, EngineError
 from milepost.core.weight_sync import DiskTransport
-
-from tinymodels import save_tiny_qwen2, start_engines, stop_engines
 
 KEY = "test-admin-key-0123456789abcdef"
 GREEDY = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}

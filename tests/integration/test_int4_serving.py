@@ -13,9 +13,9 @@ with — and the trainer's forward gives the engine's logprobs of the engine's s
 from __future__ import annotations
 
 import httpx
-import pytest
 import ray
 import torch
+from tinymodels import start_engines, stop_engines
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from milepost.core.config import AlgoConfig, RolloutConfig, TrainConfig
@@ -24,8 +24,6 @@ from milepost.core.quant.int4 import fake_quantize_int4, quantized_linears
 from milepost.core.train.torch_backend import TorchBackend
 from milepost.core.types import Sample
 from milepost.core.weight_sync import build_transport
-
-from tinymodels import start_engines, stop_engines
 
 PROMPTS = [[3, 4, 5], [7, 8, 9, 10], [11, 12], [13, 14, 15, 16, 17]]
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+from tinymodels import save_tiny_qwen2, start_engines, stop_engines
 
 from milepost.core.config import AlgoConfig, LoraConfig, TrainConfig
 from milepost.core.fleet.client import EngineClient, EngineError
@@ -21,8 +22,6 @@ from milepost.core.train import lora
 from milepost.core.train.torch_backend import TorchBackend
 from milepost.core.types import Sample
 from milepost.core.weight_sync.lora_push import ADAPTER_NAME, AdapterRequests, LoraTransport, load_body, unload_body
-
-from tinymodels import save_tiny_qwen2, start_engines, stop_engines
 
 LORA = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"])
 TRAIN = TrainConfig(num_ranks=2, micro_batch_size=4, lr=5e-2, lora=LORA)

@@ -19,6 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
 from milepost.core.config import AlgoConfig, TrainConfig
 from milepost.core.engine.generation import Generator, SamplingParams, make_sequences
 from milepost.core.engine.routing_capture import response_routes
@@ -28,8 +31,6 @@ from milepost.core.train.batch import collate
 from milepost.core.train.factory import create_backend
 from milepost.core.train.logprobs import response_logprobs
 from milepost.core.types import Sample
-from safetensors.torch import load_file
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 TEMPERATURE, LR = 1.0, 2e-2
 PROMPTS = [[5, 6, 7], [3, 9, 11, 12, 4, 8], [2, 3], [7, 7, 20, 4], [13, 2, 9, 30, 6]]

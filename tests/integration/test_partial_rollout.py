@@ -8,13 +8,12 @@ import threading
 import time
 
 import pytest
+from tinymodels import save_tiny_qwen2, start_engines, stop_engines
 
 from milepost.core.fleet.client import EngineClient
 from milepost.core.rollout import RolloutRequest, default_rollout
 from milepost.core.types import Prompt, Sample
 from milepost.core.weight_sync import build_transport
-
-from tinymodels import save_tiny_qwen2, start_engines, stop_engines
 
 MAX_NEW = 300
 PROMPTS = [Prompt(index=i, text="", label="", prompt_ids=[2 + i % 20, 3, 4 + i % 7]) for i in range(16)]

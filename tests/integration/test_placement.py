@@ -7,13 +7,12 @@ from __future__ import annotations
 import pytest
 import ray
 from ray.util.placement_group import remove_placement_group
+from tinymodels import save_tiny_qwen2
 
 from milepost.core.config import AlgoConfig, RolloutConfig, TrainConfig
 from milepost.core.fleet.fleet import Fleet
 from milepost.core.placement import ENGINE_CPUS, Placement, ensure_group, find_group
 from milepost.core.train.torch_backend import RANK_NUM_CPUS, TorchBackend
-
-from tinymodels import save_tiny_qwen2
 
 
 @pytest.fixture(scope="module")

@@ -21,13 +21,13 @@ from typing import Any
 
 import msgspec
 import pytest
+import sglang_oracle
 import torch
 import torch.distributed as dist
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-import sglang_oracle
 from milepost.core.fleet.client import EngineClient
 from milepost.core.rollout import RolloutRequest, default_rollout
 from milepost.core.types import Prompt

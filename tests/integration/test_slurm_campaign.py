@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import json
 import os
 import subprocess
@@ -29,7 +30,6 @@ import psutil
 import pytest
 
 from milepost.core.records import Stage, stage_record_path
-
 
 ROOT = Path(__file__).resolve().parents[2]
 GUARD_S = 180  # against hanging forever, not a timing assertion
@@ -104,7 +104,7 @@ def _overhead_lines(name: str, campaign: Path) -> list[str]:
              f"-> fleet serving {stages['start_engines']['finished_at'] - t0:.1f}s, "
              f"-> first RL step done {first_step - t0:.1f}s"]
     order = [s for s in STAGES if s in stages]
-    for a, b in zip(order, order[1:]):
+    for a, b in itertools.pairwise(order):
         gap = stages[b]["started_at"] - stages[a]["finished_at"]
         lines.append(f"  {a:>13} -> {b:<13} {gap:5.1f}s from end to next start; {b} ran "
                      f"{stages[b]['finished_at'] - stages[b]['started_at']:.1f}s")
@@ -173,7 +173,8 @@ def test_cancelling_the_allocation_stops_its_block_and_nothing_else(dev_cluster,
     try:
         driver.run_stage(0, Stage.START_RAY)
         driver.run_stage(0, Stage.START_ENGINES)
-        launch, fleet = _record(tmp_path / "a", "start_ray"), json.loads((tmp_path / "a/blocks/000000/fleet.json").read_text())
+        launch = _record(tmp_path / "a", "start_ray")
+        fleet = json.loads((tmp_path / "a/blocks/000000/fleet.json").read_text())
         ray_pids = _allocation_pids(launch["job_id"])
         fleet_pids = [e["pid"] for e in fleet["engines"]] + [fleet["router"]["pid"]]
         assert len(ray_pids) > 2 and not set(fleet_pids) - set(_alive(fleet_pids)), (ray_pids, fleet_pids)
@@ -202,7 +203,7 @@ def _steps_job_node(campaign: Path, min_step: int, proc: subprocess.Popen, log: 
     deadline = time.monotonic() + 600
     while True:
         assert proc.poll() is None, log.read_text()[-5000:]
-        assert time.monotonic() < deadline, "run_steps never reached step %d" % min_step
+        assert time.monotonic() < deadline, f"run_steps never reached step {min_step}"
         path = campaign / stage_record_path(0, "run_steps")
         steps = json.loads(path.read_text()) if path.exists() else {}
         if steps.get("state") == "running" and len(_metrics(campaign)) >= min_step:
@@ -221,7 +222,7 @@ def test_node_down_mid_block_resumes_from_the_last_checkpoint(dev_cluster, refer
                                 env={**os.environ, "MILEPOST_CACHE": str(cache)}, stdout=out, stderr=subprocess.STDOUT)
     node = None
     try:
-        job, node = _steps_job_node(campaign, 3, proc, log)  # step 2's checkpoint is committed
+        _, node = _steps_job_node(campaign, 3, proc, log)  # step 2's checkpoint is committed
         subprocess.run(["scontrol", "update", f"nodename={node}", "state=down", "reason=milepost-test"], check=True)
         time.sleep(10)
         subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], check=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tinymodels import random_train_samples, save_tiny_qwen2
 
 from milepost.core.config import AlgoConfig, TrainConfig
 from milepost.core.model.loading import load_causal_lm
@@ -12,7 +13,6 @@ from milepost.core.train.batch import collate
 from milepost.core.train.logprobs import response_logprobs
 from milepost.core.train.torch_backend import TorchBackend, state_sha256
 from milepost.core.types import Sample
-from tinymodels import random_train_samples, save_tiny_qwen2
 
 VOCAB = 32
 TEMPERATURE = 0.7

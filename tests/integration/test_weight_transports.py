@@ -14,6 +14,7 @@ import pytest
 import ray
 import torch
 import torch.distributed as dist
+from tinymodels import save_tiny_qwen2, start_engines, stop_engines
 
 from milepost.core.config import AlgoConfig, RolloutConfig, TrainConfig
 from milepost.core.fleet.client import EngineClient, EngineError
@@ -21,11 +22,15 @@ from milepost.core.fleet.fleet import Fleet, FleetTransport
 from milepost.core.fleet.router import free_port
 from milepost.core.train.torch_backend import TorchBackend
 from milepost.core.types import Sample
-from milepost.core.weight_sync import (DistributedTransport, TensorTransport, WeightSyncError, build_transport,
-                                      groups, wire)
+from milepost.core.weight_sync import (
+    DistributedTransport,
+    TensorTransport,
+    WeightSyncError,
+    build_transport,
+    groups,
+    wire,
+)
 from milepost.core.weight_sync.base import on_engines, verify_versions
-
-from tinymodels import save_tiny_qwen2, start_engines, stop_engines
 
 PROMPTS = [[3, 4, 5], [7, 8, 9, 10], [11]]
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
@@ -167,9 +172,9 @@ def test_version_check_names_an_engine_serving_another_version(engines, models):
     verify_versions(clients, "0", 10.0)
     clients[1].update_weight_version("other", False)  # outside a session: takes effect at once
     try:
-        with ThreadPoolExecutor(max_workers=2) as pool:  # as a push runs it: in the push's pool
-            with pytest.raises(WeightSyncError) as err:
-                verify_versions(clients, "0", 10.0, pool)
+        # as a push runs it: in the push's pool
+        with ThreadPoolExecutor(max_workers=2) as pool, pytest.raises(WeightSyncError) as err:
+            verify_versions(clients, "0", 10.0, pool)
         assert err.value.retryable and f"{clients[1].base_url} serves other" in str(err.value)
         assert clients[0].base_url not in str(err.value)
     finally:

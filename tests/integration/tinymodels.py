@@ -57,10 +57,11 @@ def start_engines(model_path: str, log_dir: Path, count: int = 1, *extra_args: s
     started = []
     for i in range(count):
         port = free_port()
+        log_file = open(log_dir / f"engine{i}.log", "wb")  # noqa: SIM115 - the engine writes it while it runs
         proc = subprocess.Popen(
             [sys.executable, "-m", "milepost.core.engine.server", "--model-path", model_path,
              "--host", "127.0.0.1", "--port", str(port), *extra_args],
-            stdout=open(log_dir / f"engine{i}.log", "wb"), stderr=subprocess.STDOUT)
+            stdout=log_file, stderr=subprocess.STDOUT)
         started.append((proc, EngineClient(f"http://127.0.0.1:{port}", timeout_s=60)))
     deadline = time.monotonic() + startup_timeout_s
     for proc, client in started:

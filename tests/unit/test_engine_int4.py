@@ -14,10 +14,10 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from milepost.core.config import RolloutConfig
 from milepost.core.engine.fast_path import fast_path_problem
-from milepost.core.fleet.launcher import engine_command
 from milepost.core.engine.quantized import Int4Linear, load_model, serve_int4, served_rows
 from milepost.core.engine.scheduler import Scheduler
 from milepost.core.engine.server import parse_args
+from milepost.core.fleet.launcher import engine_command
 from milepost.core.quant.int4 import fake_quantize_int4, num_groups, quantized_linears, unpack_int4
 from milepost.core.train.precision import attach_int4_qat
 
@@ -91,7 +91,8 @@ def test_int4_needs_float32_and_the_fast_path_refuses_it(tmp_path) -> None:
 
 @pytest.mark.parametrize("precision,dtype,quantization", [("fp32", "float32", None), ("bf16", "bfloat16", None),
                                                           ("int4", "float32", "int4")])
-def test_each_rollout_precision_launches_the_builtin_engine_with_flags_it_parses(precision, dtype, quantization) -> None:
+def test_each_rollout_precision_launches_the_builtin_engine_with_flags_it_parses(precision, dtype,
+                                                                                  quantization) -> None:
     cmd = engine_command(RolloutConfig(), "/m", "0", colocated=False, host="127.0.0.1", precision=precision)
     argv = cmd.resolve(port=30000, python="python").argv()
     args = parse_args(argv[3:])

@@ -30,7 +30,12 @@ from pydantic import ValidationError
 
 from milepost.core.config import RolloutConfig
 from milepost.core.fleet.launcher import (
-    PLACEHOLDERS, EngineCommand, LaunchError, engine_command, engine_gpus, write_admin_config,
+    PLACEHOLDERS,
+    EngineCommand,
+    LaunchError,
+    engine_command,
+    engine_gpus,
+    write_admin_config,
 )
 
 EXPECTED = Path(__file__).parent / "expected"

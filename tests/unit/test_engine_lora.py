@@ -106,8 +106,8 @@ def test_a_batch_holds_one_adapter_and_the_others_keep_their_order() -> None:
 
 def test_the_launcher_renders_sglangs_lora_flags_and_the_builtin_engine_takes_them() -> None:
     from milepost.core.config import RolloutConfig
-    from milepost.core.fleet.launcher import engine_command
     from milepost.core.engine.server import parse_args
+    from milepost.core.fleet.launcher import engine_command
     argv = engine_command(RolloutConfig(), "/m", "0", colocated=False, host="127.0.0.1", lora=CFG).resolve(
         port=8000, python="python").argv()
     i = argv.index("--enable-lora")
@@ -139,8 +139,8 @@ def test_a_corrupt_adapter_file_is_a_400_naming_it(engine, tmp_path) -> None:
 
 def test_requests_whose_adapter_was_unloaded_meanwhile_do_not_run_on_the_base_model() -> None:
     lora_state = EngineLora(True)
-    with pytest.raises(ValueError, match="LoRA adapter gone was unloaded before its requests ran"):
-        with lora_state.active("gone"):
-            pass
+    with (pytest.raises(ValueError, match="LoRA adapter gone was unloaded before its requests ran"),
+          lora_state.active("gone")):
+        pass
     with lora_state.active(None):
         assert lora_state.current is None

@@ -9,8 +9,14 @@ import pytest
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from milepost.core.algo.routing_replay import (RankReplay, batch_routes, decode_routes, encode_routes,
-                                               finish_metrics, merge_routes)
+from milepost.core.algo.routing_replay import (
+    RankReplay,
+    batch_routes,
+    decode_routes,
+    encode_routes,
+    finish_metrics,
+    merge_routes,
+)
 from milepost.core.engine.generation import Generator, SamplingParams, make_sequences
 from milepost.core.engine.routing_capture import check_start_len, response_routes
 from milepost.core.model.moe_routing import RouterTap
@@ -101,19 +107,18 @@ def test_forced_routes_use_current_gate_probabilities_and_train_the_router(model
     hidden = torch.randn(3, 32)
     probs = torch.softmax(hidden @ router.weight.T, dim=-1)
     with tap.replay(torch.tensor([[3, 0]]).expand(LAYERS, 3, TOP_K)):
-        _, values, chosen = router(hidden)
+        _, values, _ = router(hidden)
     expected = probs[:, [3, 0]] / probs[:, [3, 0]].sum(-1, keepdim=True)
     torch.testing.assert_close(values, expected)
 
 
 def test_routes_that_do_not_fit_the_model_are_refused(model) -> None:
     tap = RouterTap.install(copy.deepcopy(model))
-    with pytest.raises(ValueError, match="do not fit this model"):
-        with tap.replay(torch.zeros(3, 4, TOP_K, dtype=torch.long)):
-            pass
-    with pytest.raises(ValueError, match="another model"):
-        with tap.replay(torch.full((LAYERS, 4, TOP_K), EXPERTS)):
-            pass
+    routes = torch.zeros(3, 4, TOP_K, dtype=torch.long)
+    with pytest.raises(ValueError, match="do not fit this model"), tap.replay(routes):
+        pass
+    with pytest.raises(ValueError, match="another model"), tap.replay(torch.full((LAYERS, 4, TOP_K), EXPERTS)):
+        pass
     with pytest.raises(ValueError, match="another model"):
         decode_routes(encode_routes(np.zeros((3, 3, 1))), LAYERS, TOP_K)
 
@@ -161,6 +166,7 @@ def test_requests_for_routes_the_engine_cannot_answer_are_refused() -> None:
 
 def test_routing_replay_on_a_dense_model_is_refused() -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
+
     from milepost.core.config import Recipe
     from milepost.core.errors import UserError
     from milepost.core.model.moe import check_routing_replay
@@ -199,6 +205,7 @@ def test_megatron_replay_refuses_what_it_does_not_handle(megatron, match) -> Non
 def test_a_saved_moe_checkpoint_loads_into_the_live_layout(model, tmp_path) -> None:
     """transformers saves experts one Linear each; the engine's disk update needs them fused."""
     from safetensors.torch import load_file
+
     from milepost.core.engine.disk_load import live_layout
 
     model.save_pretrained(tmp_path)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from milepost.core.quant.fp8_linear import (
     Fp8LinearFunction,
     Fp8Recipe,
