@@ -422,7 +422,10 @@ class PrecisionConfig(Section):
     rollout: RolloutPrecision = Field(
         "fp32", description="Engine weights: fp32, bf16 (--dtype float32 / bfloat16); int4 (built-in engine: "
                             "the pushed fp32 weights quantised with precision.train int4_qat's function, "
-                            "stored as int4 + scales, dequantised for each matmul); fp8 (not built yet).")
+                            "stored as int4 + scales, dequantised for each matmul); fp8 (built-in engine: "
+                            "Linear weights in block-wise e4m3 with 128 x 128 scales, SGLang's and DeepSeek-V3's "
+                            "format, "
+                            "quantised by the trainer on sync, dequantised to bf16 for each matmul).")
 
 
 class SyncConfig(Section):
@@ -659,7 +662,7 @@ class Recipe(Section):
         if p.train == "int4_qat" and self.train.backend != "torch":
             raise ValueError(f"precision.train int4_qat is built for train.backend torch only, not "
                              f"{self.train.backend} yet; set train.backend=torch or precision.train=bf16")
-        if self.train.lora is not None and (p.train == "int4_qat" or p.rollout == "int4"):
+        if self.train.lora is not None and (p.train == "int4_qat" or p.rollout in ("int4", "fp8")):
             raise ValueError(f"precision.train {p.train} / precision.rollout {p.rollout} with train.lora is not "
                              "supported yet (the adapter would sit on quantised base weights); remove train.lora "
                              "or use fp32 / bf16")
@@ -667,3 +670,8 @@ class Recipe(Section):
             raise ValueError("precision.rollout int4 is served by the built-in engine only: SGLang serves int4 from a "
                              "compressed-tensors checkpoint, which weight sync does not send yet; set "
                              "rollout.engine=builtin or precision.rollout=bf16")
+        if p.rollout == "fp8" and self.rollout.engine != "builtin":
+            raise ValueError("precision.rollout fp8 is served by the built-in engine only for now: the trainer sends "
+                             "SGLang's block-wise fp8 format on sync, but SGLang loads it only into an engine started "
+                             "from an fp8 checkpoint, which milepost does not write yet; set rollout.engine=builtin "
+                             "or precision.rollout=bf16")

@@ -80,7 +80,7 @@ def _train(ctx: StageContext, fleet: Any, tokenizer: Any, start_path: str) -> di
                              temperature=recipe.rollout.temperature, seed=recipe.seed,
                              total_steps=recipe.campaign.num_blocks * recipe.campaign.steps_per_block,
                              placement_group=fleet.placement_group, precision=recipe.precision.train,
-                             rank_gpus=_rank_gpus(recipe))
+                             rank_gpus=_rank_gpus(recipe), rollout_precision=recipe.precision.rollout)
     sinks = open_sinks(recipe, store)
     try:
         state = _restore(ctx, backend)

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from milepost.core.engine.quantized import served_state
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
@@ -36,6 +38,7 @@ def read_checkpoint(files: list[str], model: torch.nn.Module, path: str) -> dict
     for f in files:
         state.update(load_file(f))
     state = live_layout(state, model, path)  # a saved MoE's per-expert tensors, fused as live
+    state = served_state(model, state)  # --quantization fp8: an unquantised export, quantised as at load
     return check_state(state, model) or state
 
 

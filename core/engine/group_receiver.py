@@ -81,7 +81,8 @@ class GroupReceiver:
             if self._flat is None or self._flat.numel() < total:
                 self._flat = torch.empty(total, dtype=torch.uint8, device=self._device())
             flat = self._flat[:total].view(wire.parse_dtype(specs[0]["dtype"]))
-        self._wait([dist.broadcast(p, src=0, group=pg, async_op=True) for p in groups.flat_pieces(flat, streams)])
+        pieces = groups.flat_pieces(groups.as_sent(flat), streams)
+        self._wait([dist.broadcast(p, src=0, group=pg, async_op=True) for p in pieces])
         if keep and staged:
             buffer = self._flat
             assert buffer is not None  # the staged branch above made it
@@ -97,7 +98,7 @@ class GroupReceiver:
             if target is None or target.dtype != dtype:  # receive as sent, convert after
                 target = torch.empty(s["shape"], dtype=dtype, device=self._device())
             bufs.append(target)
-            works.append(dist.broadcast(target, src=0, group=pg, async_op=True))
+            works.append(dist.broadcast(groups.as_sent(target), src=0, group=pg, async_op=True))
         self._wait(works)
         for s, b in zip(specs, bufs) if keep else ():
             shadow = self.receiver.shadow(s["name"])

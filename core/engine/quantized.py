@@ -1,4 +1,5 @@
-"""The built-in engine's model as loaded and served: `--dtype`, and `--quantization int4`.
+"""The built-in engine's model as loaded and served: `--dtype`, and `--quantization int4` or
+`fp8`.
 
 int4 (`precision.rollout: int4`; the format: core/quant/int4.py): every Linear that a trainer
 with `precision.train: int4_qat` fake-quantises is served from int4 values (packed eight to an
@@ -18,9 +19,20 @@ Refused at load: `--quantization int4` with a `--dtype` other than float32 (the 
 quantisation is fp32). Int4 engines serve on the HF path (fast_path.py: the fast path fuses
 q/k/v weights itself and would read the unquantised ones).
 
+fp8 (`precision.rollout: fp8`; the format: core/quant/fp8.py, SGLang's and DeepSeek-V3's
+block-wise e4m3 with 128 x 128 scales): every Linear weight that `served_in_fp8` picks is
+stored as float8_e4m3fn `X.weight` plus float32 `X.weight_scale_inv`, both state-dict
+entries, so pushes (the trainer quantises on sync: weight_sender.py) and disk loads fill them
+like any tensor and the weights take half the memory of bf16. Each matmul dequantises the
+weight to the input's dtype (no fp8 kernel: on CPU and GPU alike this stores fp8 and computes
+in `--dtype`). At load, and for a disk load of an unquantised checkpoint (the trainer's
+export), the engine quantises with the same function as the trainer, from the weights in
+float32, so a pushed policy and the same policy loaded from disk are served bit for bit alike.
+A float weight sent for an fp8 one (or the reverse) is refused by the receiver, never cast.
+
 `/get_weights_by_name` (SGLang's route: `{name, truncate_size}` -> the tensor's first
 `truncate_size` rows as float32 lists) answers with the weight a matmul uses: for an int4
-layer the dequantised one. Float32 values survive JSON exactly, so callers compare bits.
+or fp8 layer the dequantised one. Float32 values survive JSON exactly, so callers compare bits.
 """
 
 from __future__ import annotations
@@ -34,12 +46,19 @@ import torch.nn.functional as F
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from milepost.core.quant.fp8 import (
+    FP8_DTYPE,
+    dequantize_fp8_blockwise,
+    quantize_fp8_blockwise,
+    scale_name,
+    served_in_fp8,
+)
 from milepost.core.quant.int4 import dequantize_int4, pack_int4, quantize_int4, quantized_linears, unpack_int4
 
 if TYPE_CHECKING:  # types only: the scheduler imports the parts of the engine
     from milepost.core.engine.scheduler import Scheduler
 
-QUANTIZATIONS = ("int4",)
+QUANTIZATIONS = ("int4", "fp8")
 
 
 class Int4Linear(torch.nn.Linear):
@@ -81,6 +100,63 @@ def serve_int4(model: torch.nn.Module, generation: Callable[[], int]) -> list[st
     return sorted(layers)
 
 
+class Fp8Linear(torch.nn.Linear):
+    """A Linear served from block-wise fp8 (module doc): `weight` float8_e4m3fn [out, in] and
+    `weight_scale_inv` float32 [ceil(out / 128), ceil(in / 128)], both frozen parameters.
+    Made from an nn.Linear in place by `serve_fp8`."""
+
+    weight_scale_inv: torch.nn.Parameter
+
+    def served_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight every matmul uses: [out, in] in `dtype`, dequantised."""
+        return dequantize_fp8_blockwise(self.weight, self.weight_scale_inv, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.served_weight(x.dtype), self.bias)
+
+
+def fp8_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
+    """The Linears served in fp8, by qualified name: those whose weight `served_in_fp8` picks."""
+    picked: dict[str, torch.nn.Linear] = {}
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor) and served_in_fp8(f"{name}.weight", weight.shape):
+            if not isinstance(module, torch.nn.Linear):
+                raise TypeError(f"fp8 serving quantises {name}.weight, which belongs to a "
+                                f"{type(module).__name__}, not an nn.Linear")
+            picked[name] = module
+    return picked
+
+
+def serve_fp8(model: torch.nn.Module, dtype: torch.dtype) -> list[str]:
+    """Quantise every picked Linear of `model` (loaded in float32) to block-wise fp8, cast the
+    rest to `dtype`, and turn the Linears into Fp8Linear (class swapped in place). Returns the
+    layer names. The cast comes before the fp8 weights are set: Module.to(dtype) casts every
+    floating-point tensor, float8 included."""
+    layers = fp8_linears(model)
+    quantized = {name: quantize_fp8_blockwise(layer.weight) for name, layer in layers.items()}
+    model.to(dtype)
+    for name, layer in layers.items():
+        q, scale = quantized[name]
+        layer.__class__ = Fp8Linear
+        layer.weight = torch.nn.Parameter(q, requires_grad=False)
+        layer.weight_scale_inv = torch.nn.Parameter(scale, requires_grad=False)
+    return sorted(layers)
+
+
+def served_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors (named as live) in the form `model` serves: an fp8 layer's weight
+    given unquantised (the trainer's export) is quantised, as at load, and its scale added;
+    one given in fp8 with its scale is taken as it is."""
+    out = dict(state)
+    for name, module in model.named_modules():
+        weight_name = f"{name}.weight"
+        if isinstance(module, Fp8Linear) and weight_name in out and out[weight_name].dtype != FP8_DTYPE \
+                and scale_name(weight_name) not in out:
+            out[weight_name], out[scale_name(weight_name)] = quantize_fp8_blockwise(out[weight_name])
+    return out
+
+
 def load_model(path: str, device: torch.device, dtype: torch.dtype, quantization: str | None,
                generation: Callable[[], int]) -> torch.nn.Module:
     """The engine's model from the HF folder `path`, on `device` in `dtype`, served with
@@ -92,10 +168,16 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, quantization
     if quantization == "int4" and dtype != torch.float32:
         raise ValueError(f"--quantization int4 dequantises to float32 (as the int4_qat trainer computes), not "
                          f"{dtype}: pass --dtype float32")
+    if quantization == "fp8" and not dtype.is_floating_point:
+        raise ValueError(f"--quantization fp8 dequantises to the model's --dtype, a float type, not {dtype}")
+    # fp8 quantises from float32 weights, as the trainer's sender does (module doc)
+    load_dtype = torch.float32 if quantization == "fp8" else dtype
     # transformers types .to() through a decorator's wrapper, which mypy cannot call
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()  # type: ignore[arg-type]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=load_dtype).to(device).eval()  # type: ignore[arg-type]
     if quantization == "int4":
         serve_int4(model, generation)
+    elif quantization == "fp8":
+        serve_fp8(model, dtype)
     return model
 
 
@@ -107,6 +189,8 @@ def served_rows(model: torch.nn.Module, name: str, truncate_size: int) -> list[A
     tensor: torch.Tensor | None
     if isinstance(module, Int4Linear) and leaf == "weight":
         tensor = module.served_weight()
+    elif isinstance(module, Fp8Linear) and leaf == "weight":
+        tensor = module.served_weight(torch.float32)
     else:
         tensor = model.state_dict().get(name)
         if tensor is None:

@@ -19,6 +19,7 @@ import torch
 
 from milepost.core.engine.group_receiver import GroupReceiver
 from milepost.core.engine.shm_leases import Lease, LeaseError, ShmFiles
+from milepost.core.quant.fp8 import FP8_DTYPE
 from milepost.core.weight_sync import wire
 
 if TYPE_CHECKING:  # types only: the scheduler imports the parts of the engine
@@ -310,6 +311,10 @@ class WeightReceiver:
                 problems.append(f"{s['name']}: shape {list(s['shape'])} != {list(live.shape)}")
             elif wire.parse_dtype(s["dtype"]).is_floating_point != live.dtype.is_floating_point:
                 problems.append(f"{s['name']}: dtype {s['dtype']} cannot load into {wire.dtype_name(live.dtype)}")
+            elif (wire.parse_dtype(s["dtype"]) == FP8_DTYPE) != (live.dtype == FP8_DTYPE):
+                problems.append(f"{s['name']}: dtype {s['dtype']} cannot load into {wire.dtype_name(live.dtype)} "
+                                "(a cast would drop or ignore the block scales): fp8 weights go to an engine "
+                                "started with --quantization fp8, from a trainer with precision.rollout fp8")
         return f"{len(problems)} tensors do not fit the model: {'; '.join(problems[:5])}" if problems else None
 
     def stage(self, name: str, tensor: torch.Tensor, lease: Lease | None) -> None:

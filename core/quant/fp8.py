@@ -1,6 +1,8 @@
 """Block-wise FP8 (e4m3) weight quantisation, the format of DeepSeek-V3 checkpoints and of
-SGLang's `fp8` block quantisation: pure tensor functions (no GPU kernels; the scaled-matmul
-path that serves and trains with it is GPU work still to come, issue 21).
+SGLang's `fp8` block quantisation: pure tensor functions. precision.rollout fp8 uses them on
+both sides: the trainer's weight sender quantises on sync (core/train/weight_sender.py), the
+built-in engine stores and serves the result (core/engine/quantized.py), and both pick the
+tensors by `served_in_fp8`.
 
 Format, per 2-D weight `w: [out, in]` named `X.weight`:
 - `X.weight`: float8_e4m3fn [out, in];
@@ -22,6 +24,7 @@ bits; e4m3's smallest subnormal is 2**-9), plus float32 rounding.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -53,12 +56,36 @@ def quantize_fp8_blockwise(w: Tensor) -> tuple[Tensor, Tensor]:
     if w.dim() != 2:
         raise ValueError(f"block-wise fp8 takes a 2-D Linear weight, got shape {list(w.shape)}")
     blocks = _blocks(w.detach().float())
-    amax = blocks.abs().amax(dim=(1, 3))
-    nonzero = amax > 0
-    mult = torch.where(nonzero, FP8_MAX / torch.where(nonzero, amax, 1.0), 1.0)
+    mult = _multipliers(blocks)
     scaled = (blocks * mult[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
     q = scaled.view(blocks.shape[0] * BLOCK, -1)[:w.shape[0], :w.shape[1]].to(FP8_DTYPE)
     return q.contiguous(), (1.0 / mult).to(torch.float32)
+
+
+def _multipliers(blocks: Tensor) -> Tensor:
+    """blocks: [out_blocks, 128, in_blocks, 128] float32 -> 448 / amax per block (1 where all zero)."""
+    amax = blocks.abs().amax(dim=(1, 3))
+    nonzero = amax > 0
+    return torch.where(nonzero, FP8_MAX / torch.where(nonzero, amax, 1.0), 1.0)
+
+
+def block_scale_inv(w: Tensor) -> Tensor:
+    """The `weight_scale_inv` that quantize_fp8_blockwise(w) returns, without quantising the
+    values (one read of w): a sender whose scales travel apart from the weights uses it."""
+    if w.dim() != 2:
+        raise ValueError(f"block-wise fp8 takes a 2-D Linear weight, got shape {list(w.shape)}")
+    return (1.0 / _multipliers(_blocks(w.detach().float()))).to(torch.float32)
+
+
+def served_in_fp8(name: str, shape: Sequence[int]) -> bool:
+    """Whether precision.rollout fp8 serves the tensor `name` (HF naming) in block-wise fp8:
+    a 2-D `.weight` inside a decoder layer (`….layers.<i>.…`), except MoE routers
+    (`….gate.weight`: their outputs pick experts). Embeddings, the output head, norms and
+    biases stay in the engine's dtype. The rule goes by name so that both sides apply the
+    same one: the trainer may hold HF-named tensors only (Megatron's gathered weights); the
+    engine checks that each tensor it picks is an nn.Linear's weight."""
+    parts = name.split(".")
+    return len(shape) == 2 and parts[-1] == "weight" and "layers" in parts[:-2] and parts[-2] != "gate"
 
 
 def dequantize_fp8_blockwise(q: Tensor, scale_inv: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:

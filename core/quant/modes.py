@@ -7,10 +7,16 @@ the engines, and the start-up refusal of a mode the device cannot run.
 | bf16            | bf16 autocast, fp32 weights      | GPU: bf16 params, fp32 master (its  | `--dtype bfloat16`     | `--dtype bfloat16`  |
 |                 |                                  | optimizer); CPU: autocast           |                        |                     |
 | int4_qat / int4 | fake-quantised Linears (STE)     | refused (config.py): not built      | `--quantization int4`  | refused (config.py) |
-| fp8             | refused: not built               | bf16 + the transformer linears'     | refused: not built yet (issue 21:           ||
-|                 |                                  | GEMMs through torch._scaled_mm      | FP8 weights quantised on sync)              ||
-|                 |                                  | (megatron/fp8.py); CUDA cc >= 8.9,  |                                             ||
-|                 |                                  | or CPU (emulated, slow: tests)      |                                             ||
+| fp8             | refused: not built               | bf16 + the transformer linears'     | `--dtype bfloat16      | refused (config.py) |
+|                 |                                  | GEMMs through torch._scaled_mm      | --quantization fp8`:   |                     |
+|                 |                                  | (megatron/fp8.py); CUDA cc >= 8.9,  | block-wise fp8 weights |                     |
+|                 |                                  | or CPU (emulated, slow: tests)      | (quantised on sync),   |                     |
+|                 |                                  |                                     | bf16 matmuls; any      |                     |
+|                 |                                  |                                     | device                 |                     |
+
+fp8 training and fp8 rollout are not the same numbers (the trainer scales its GEMM inputs per
+row or tensor at each matmul, the engine stores weights with 128 x 128 block scales), so no
+fp8 pair counts as matched below: TIS corrects the gap.
 
 Refusals are one line naming the field, the reason and the fix (a UserError: `milepost run`
 exits 2). What no device runs is refused by the recipe schema (config.py); what depends on
@@ -35,7 +41,7 @@ FP8_CAPABILITY = (8, 9)  # Ada / Hopper: the first with FP8 tensor cores (torch.
 # SGLang's --dtype spelling (srt/server_args.py); the built-in engine takes the same values.
 ENGINE_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "int4": "float32", "fp8": "bfloat16"}
 # The same numbers on both sides: no gap for TIS to correct beyond kernel differences.
-MATCHED = {("fp32", "fp32"), ("bf16", "bf16"), ("int4_qat", "int4"), ("fp8", "fp8")}
+MATCHED = {("fp32", "fp32"), ("bf16", "bf16"), ("int4_qat", "int4")}
 
 
 class PrecisionError(UserError):
@@ -66,19 +72,19 @@ def local_device() -> Device:
     return Device("cuda", (major, minor))
 
 
+def sent_weight_format(rollout: str) -> str | None:
+    """What the trainer's weight sender sends for `precision.rollout` (core/train/weight_sender.py):
+    "fp8" (block-wise fp8 weights and scales, quantised on sync) or None (its tensors as they are;
+    int4 engines quantise the pushed fp32 weights themselves)."""
+    return "fp8" if rollout == "fp8" else None
+
+
 def engine_flags(rollout: str) -> dict[str, str]:
     """Launch flags of an engine serving `precision.rollout` (SGLang's names)."""
     flags = {"dtype": ENGINE_DTYPE[rollout]}
-    if rollout == "int4":
-        flags["quantization"] = "int4"  # the built-in engine's; SGLang + int4 is refused by the schema
+    if rollout in ("int4", "fp8"):
+        flags["quantization"] = rollout  # the built-in engine's; SGLang + either is refused by the schema
     return flags
-
-
-def _fp8_problem(field: str, where: str, device: Device | None, todo: str) -> str:
-    if device is not None and not device.capable(FP8_CAPABILITY):
-        return (f"{field} fp8 needs a CUDA device of compute capability >= 8.9 (FP8 matmuls), and {where} runs on "
-                f"{device.describe()}; use {field} bf16")
-    return f"{field} fp8 is not built yet (issue 21: {todo}); use {field} bf16"
 
 
 def train_problem(mode: str, backend: str, device: Device | None) -> str | None:
@@ -92,16 +98,16 @@ def train_problem(mode: str, backend: str, device: Device | None) -> str | None:
         return (f"precision.train fp8 is built for train.backend megatron only (its linears' GEMMs through "
                 f"torch._scaled_mm), not train.backend {backend}; use train.backend megatron or precision.train bf16")
     if device is not None and device.kind == "cuda" and not device.capable(FP8_CAPABILITY):
-        return _fp8_problem("precision.train", f"train.backend {backend} on this machine", device, "")
+        return (f"precision.train fp8 needs a CUDA device of compute capability >= 8.9 (FP8 matmuls), and "
+                f"train.backend {backend} on this machine runs on {device.describe()}; use precision.train bf16")
     return None
 
 
 def rollout_problem(mode: str, engine: str, device: Device | None) -> str | None:
-    """Why `precision.rollout` `mode` cannot be served on `device` (None: not known here), or None."""
-    if mode != "fp8":
-        return None
-    return _fp8_problem("precision.rollout", f"rollout.engine {engine} on this machine", device,
-                        "block-wise FP8 weights quantised on sync, served through torch._scaled_mm")
+    """Why `precision.rollout` `mode` cannot be served on `device` (None: not known here), or None.
+    Every mode the schema allows runs on any device: the built-in engine's fp8 stores fp8
+    weights and computes in bf16 (core/engine/quantized.py), which needs no FP8 kernel."""
+    return None
 
 
 def check_precision(recipe: Recipe, probe: Callable[[], Device] | None) -> None:

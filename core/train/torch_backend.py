@@ -105,8 +105,9 @@ class RankWorker(SenderRank):
 
     def __init__(self, rank: int, world_size: int, model_path: str, train_cfg: TrainConfig,
                  algo_cfg: AlgoConfig, temperature: float, seed: int, total_steps: int | None,
-                 precision: str = "fp32") -> None:
+                 precision: str = "fp32", weight_format: str | None = None) -> None:
         torch.set_num_threads(train_cfg.num_threads_per_rank)
+        self.weight_format = weight_format
         self.rank, self.world_size, self.model_path, self.precision = rank, world_size, model_path, precision
         self.train_cfg, self.algo_cfg, self.temperature = train_cfg, algo_cfg, temperature
         self.seed, self.total_steps = seed, total_steps
@@ -248,7 +249,7 @@ class RankWorker(SenderRank):
     # ---- weight sync (tensor / distributed transports, milepost.core.weight_sync): rank 0 sends ----
     def _weight_sender(self) -> Any:
         if getattr(self, "_sender", None) is None:
-            self._sender = WeightSender(self.module)
+            self._sender = WeightSender(self.module, weight_format=self.weight_format)
         return self._sender
 
     def shutdown(self) -> None:
@@ -281,13 +282,15 @@ class TorchBackend(Rank0WeightSource):
     @classmethod
     def create(cls, model_path: str, train_cfg: TrainConfig, algo_cfg: AlgoConfig, temperature: float,
                seed: int, total_steps: int | None = None, placement_group: Any = None,
-               precision: str = "fp32") -> TorchBackend:
+               precision: str = "fp32", weight_format: str | None = None) -> TorchBackend:
         """`placement_group` (core/placement.py): rank r runs on its bundle r. `precision`:
-        precision.train (fp32, bf16, int4_qat)."""
+        precision.train (fp32, bf16, int4_qat). `weight_format`: what weight sync sends
+        (weight_sender.WeightSender)."""
         world = train_cfg.num_ranks
         actor_cls = ray.remote(num_cpus=RANK_NUM_CPUS)(RankWorker)
         actors: list[Any] = [actor_cls.options(**actor_strategy(placement_group, r)).remote(
-                      r, world, model_path, train_cfg, algo_cfg, temperature, seed, total_steps, precision)
+                      r, world, model_path, train_cfg, algo_cfg, temperature, seed, total_steps, precision,
+                      weight_format=weight_format)
                   for r in range(world)]
         backend = cls(actors, train_cfg)
         try:

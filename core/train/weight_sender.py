@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from milepost.core.quant import fp8
 from milepost.core.weight_sync import groups, sglang_wire, wire
 
 SHM_PREFIX = "milepost-w-"
@@ -93,8 +94,13 @@ class WeightSender:
     are no locks here.
     """
 
-    def __init__(self, module: torch.nn.Module, copy_threads: int | None = None) -> None:
-        self.module = module
+    def __init__(self, module: torch.nn.Module, copy_threads: int | None = None,
+                 weight_format: str | None = None) -> None:
+        """`weight_format`: None sends the tensors as they are; "fp8" sends what
+        precision.rollout fp8 serves (`sent_tensors`)."""
+        if weight_format not in (None, "fp8"):
+            raise ValueError(f"weight_format {weight_format!r}: use None or fp8")
+        self.module, self.weight_format = module, weight_format
         self.copy_threads = copy_threads or min(4, len(os.sched_getaffinity(0)))
         self._copy_pool: ThreadPoolExecutor | None = None
         self._files: dict[int, list[BucketFile]] = {}
@@ -114,15 +120,44 @@ class WeightSender:
         return out
 
     def buckets(self, bucket_bytes: int) -> list[list[wire.Spec]]:
-        return wire.plan_buckets(self.named_tensors(), bucket_bytes)
+        return wire.plan_buckets(self.sent_layout(), bucket_bytes)
+
+    def sent_layout(self) -> list[tuple[str, torch.Tensor]]:
+        """What a push sends, in order: (name, a tensor of its dtype and shape; a meta tensor
+        for what is computed at send time). fp8: the block-wise format of core/quant/fp8.py
+        for every tensor `served_in_fp8` picks (`X.weight` in float8_e4m3fn and its
+        `X.weight_scale_inv`), grouped by dtype (the rest as they are, then the fp8 weights,
+        then the scales) so the one-dtype buckets stay few and large."""
+        named = self.named_tensors()
+        if self.weight_format is None:
+            return named
+        picked = [(n, t) for n, t in named if fp8.served_in_fp8(n, t.shape)]
+        return ([(n, t) for n, t in named if not fp8.served_in_fp8(n, t.shape)]
+                + [(n, torch.empty(t.shape, dtype=fp8.FP8_DTYPE, device="meta")) for n, t in picked]
+                + [(fp8.scale_name(n), torch.empty(fp8.scale_shape(*t.shape), device="meta")) for n, t in picked])
 
     def _gather(self, names: list[str]) -> list[tuple[wire.Spec, torch.Tensor]]:
+        """The tensors of `names` as sent: fp8 weights quantised and scales computed now, from
+        the live weights (a scale is computed apart from its weight: they travel in buckets
+        of their own dtype, and one more read of a weight is cheaper than keeping state
+        between buckets that a failed push could leave stale)."""
         tensors = dict(self.named_tensors())
-        missing = [n for n in names if n not in tensors]
-        if missing:
-            raise KeyError(f"the trainer's model has no tensors {missing[:5]}")
-        return [({"name": n, "dtype": wire.dtype_name(tensors[n].dtype), "shape": list(tensors[n].shape)},
-                 tensors[n]) for n in names]
+        out: list[tuple[wire.Spec, torch.Tensor]] = []
+        for n in names:
+            t = self._sent_tensor(n, tensors)
+            out.append(({"name": n, "dtype": wire.dtype_name(t.dtype), "shape": list(t.shape)}, t))
+        return out
+
+    def _sent_tensor(self, name: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.weight_format == "fp8":
+            source = name.removesuffix(fp8.SCALE_SUFFIX)
+            if source in tensors and fp8.served_in_fp8(source, tensors[source].shape):
+                if source != name:
+                    return fp8.block_scale_inv(tensors[source])
+                return fp8.quantize_fp8_blockwise(tensors[source])[0]
+        if name not in tensors:
+            raise KeyError(f"the trainer's model has no tensor {name!r}")
+        return tensors[name]
 
     # ---- tensor transport ----
     def to_shm(self, names: list[str], bucket: int, buffer_bytes: int) -> str:
@@ -247,9 +282,9 @@ class WeightSender:
         pg, streams = self._groups[group_name]
         pairs = self._gather(names)
         if flattened:
-            tensors = groups.flat_pieces(self._flat_bucket(pairs), streams)
+            tensors = groups.flat_pieces(groups.as_sent(self._flat_bucket(pairs)), streams)
         else:
-            tensors = [t.contiguous() for _, t in pairs]
+            tensors = [groups.as_sent(t.contiguous()) for _, t in pairs]
         for w in [dist.broadcast(t, src=0, group=pg, async_op=True) for t in tensors]:
             w.wait()
 

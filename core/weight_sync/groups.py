@@ -133,6 +133,16 @@ def destroy_weight_group(pg: ProcessGroup) -> None:
     pg.shutdown()
 
 
+BYTE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # gloo has no such type ("Invalid scalar type")
+
+
+def as_sent(t: torch.Tensor) -> torch.Tensor:
+    """What a broadcast carries for `t`: its bytes (a uint8 view) when gloo has no such
+    dtype (float8), else `t` itself. Both sides view alike; NCCL sends float8 as bytes too,
+    so a receiver that broadcasts into a float8 tensor (SGLang) gets the same bytes."""
+    return t.view(torch.uint8) if t.dtype in BYTE_DTYPES else t
+
+
 def flat_pieces(flat: torch.Tensor, streams: int) -> list[torch.Tensor]:
     """The broadcasts of a flattened bucket `flat` (1-D) over a group of `streams`
     connections: equal runs of elements in order, one per connection (broadcast k goes over

@@ -53,6 +53,7 @@ DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
     "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "int8": torch.int8,
     "uint8": torch.uint8, "bool": torch.bool,
+    "float8_e4m3fn": torch.float8_e4m3fn,  # precision.rollout fp8 (core/quant/fp8.py)
 }
 
 Spec = dict[str, Any]  # {"name": str, "dtype": str, "shape": list[int]}

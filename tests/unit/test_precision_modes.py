@@ -35,6 +35,9 @@ def test_both_modes_default_to_fp32_and_the_old_train_precision_names_its_new_pl
     (["precision.rollout=int4", "rollout.engine=sglang"],
      r"precision.rollout int4 is served by the built-in engine only.*set rollout.engine=builtin"),
     (["precision.train=int4_qat", "train.lora.rank=4"], r"with train.lora is not supported yet.*remove train.lora"),
+    (["precision.rollout=fp8", "rollout.engine=sglang"],
+     r"precision.rollout fp8 is served by the built-in engine only for now.*set rollout.engine=builtin"),
+    (["precision.rollout=fp8", "train.lora.rank=4"], r"with train.lora is not supported yet.*remove train.lora"),
 ])
 def test_combinations_no_device_runs_are_refused_by_the_schema(overrides, needle) -> None:
     with pytest.raises(RecipeError, match=needle):
@@ -47,12 +50,10 @@ def test_combinations_no_device_runs_are_refused_by_the_schema(overrides, needle
                                     r"megatron or precision.train bf16$"),
     (["precision.train=fp8", "train.backend=megatron"], A100,
      r"train.backend megatron on this machine runs on a CUDA device of compute capability \(8, 0\)"),
-    (["precision.rollout=fp8"], CPU, r"^precision.rollout fp8 needs a CUDA device .* rollout.engine builtin .* a CPU; "
-                                     r"use precision.rollout bf16$"),
-    (["precision.rollout=fp8"], H200, r"^precision.rollout fp8 is not built yet"),
-    (["precision.rollout=fp8"], None, r"^precision.rollout fp8 is not built yet"),
+    (["precision.train=fp8", "train.backend=megatron"], Device("cuda", (8, 6)),
+     r"^precision.train fp8 needs a CUDA device of compute capability >= 8.9 .* use precision.train bf16$"),
 ])
-def test_fp8_is_refused_with_the_device_reason_or_as_not_built(overrides, device, needle) -> None:
+def test_fp8_training_is_refused_with_the_backend_or_the_device_reason(overrides, device, needle) -> None:
     with pytest.raises(PrecisionError, match=needle):
         check_precision(_recipe(*overrides), (lambda: device) if device else None)
 
@@ -62,6 +63,12 @@ def test_fp8_training_with_megatron_passes_on_an_fp8_gpu_on_a_cpu_emulated_and_w
         device) -> None:
     check_precision(_recipe("precision.train=fp8", "train.backend=megatron", "precision.rollout=bf16"),
                     (lambda: device) if device else None)
+
+
+@pytest.mark.parametrize("device", [H200, A100, CPU, None])
+def test_fp8_rollout_on_the_builtin_engine_passes_on_any_device(device) -> None:
+    """It stores fp8 weights and computes in bf16: no FP8 kernel is needed (core/engine/quantized.py)."""
+    check_precision(_recipe("precision.rollout=fp8"), (lambda: device) if device else None)
 
 
 @pytest.mark.parametrize("train,rollout", [("fp32", "fp32"), ("bf16", "bf16"), ("int4_qat", "int4"), ("bf16", "fp32")])
@@ -86,11 +93,14 @@ def test_each_rollout_mode_gives_sglang_spelled_engine_flags() -> None:
     assert engine_flags("fp32") == {"dtype": "float32"}
     assert engine_flags("bf16") == {"dtype": "bfloat16"}
     assert engine_flags("int4") == {"dtype": "float32", "quantization": "int4"}
+    assert engine_flags("fp8") == {"dtype": "bfloat16", "quantization": "fp8"}
 
 
-def test_milepost_run_refuses_fp8_on_this_cpu_machine_with_exit_2_and_writes_nothing(tmp_path, capsys) -> None:
+def test_milepost_run_refuses_fp8_training_on_the_torch_backend_with_exit_2_and_writes_nothing(tmp_path,
+                                                                                                capsys) -> None:
     campaign = tmp_path / "c"
-    code = main(["run", TINY, "--campaign", str(campaign), "--set", "precision.rollout=fp8"])
+    code = main(["run", TINY, "--campaign", str(campaign), "--set", "precision.train=fp8"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and not campaign.exists()
-    assert err[-1].startswith("milepost: precision.rollout fp8 ") and len(err) == 1
+    assert err[-1].startswith("milepost: precision.train fp8 is built for train.backend megatron only") \
+        and len(err) == 1

@@ -58,10 +58,11 @@ class MegatronBackend(Rank0WeightSource):
     @classmethod
     def create(cls, model_path: str, train_cfg: TrainConfig, algo_cfg: AlgoConfig, temperature: float,
                seed: int, total_steps: int | None = None, placement_group: Any = None,
-               precision: str = "fp32", rank_gpus: list[float] | None = None) -> MegatronBackend:
+               precision: str = "fp32", rank_gpus: list[float] | None = None,
+               weight_format: str | None = None) -> MegatronBackend:
         """`placement_group` (core/placement.py): rank r runs on its bundle r (CPU bundles:
         those ranks ask for no GPU); without one, a rank takes a GPU when the cluster has one each.
-        `precision`: precision.train."""
+        `precision`: precision.train; `weight_format`: what weight sync sends (WeightSender)."""
         from milepost.core.placement import actor_strategy
         world = train_cfg.num_ranks
         gpus = 1 if placement_group is None and ray.cluster_resources().get("GPU", 0) >= world else 0
@@ -71,7 +72,8 @@ class MegatronBackend(Rank0WeightSource):
             return {"num_gpus": rank_gpus[r]} if placement_group is not None and rank_gpus else {}
 
         actors: list[Any] = [actor_cls.options(**actor_strategy(placement_group, r), **gpus_of(r)).remote(
-                      r, world, model_path, train_cfg, algo_cfg, temperature, seed, total_steps, precision)
+                      r, world, model_path, train_cfg, algo_cfg, temperature, seed, total_steps, precision,
+                      weight_format=weight_format)
                   for r in range(world)]
         backend = cls(actors, [], train_cfg, model_path)
         try:

@@ -107,9 +107,11 @@ def check_fp8_device(device: torch.device) -> None:
 class MegatronRankWorker(SenderRank):
     def __init__(self, rank: int, world_size: int, model_path: str, train_cfg: TrainConfig, algo_cfg: AlgoConfig,
                  temperature: float, seed: int, total_steps: int | None, precision: str = "fp32",
-                 fp8_recipe: Fp8Recipe | None = None) -> None:
+                 fp8_recipe: Fp8Recipe | None = None, weight_format: str | None = None) -> None:
         """`precision`: precision.train (fp32 | bf16 | fp8; core/train/precision.py says what each
-        does where). `fp8_recipe`: how fp8 scales (core/quant/fp8_linear.py; benchmarks vary it)."""
+        does where). `fp8_recipe`: how fp8 scales (core/quant/fp8_linear.py; benchmarks vary it).
+        `weight_format`: what weight sync sends (weight_sender.WeightSender)."""
+        self.weight_format = weight_format
         torch.set_num_threads(train_cfg.num_threads_per_rank)
         self.rank, self.world_size, self.model_path, self.precision = rank, world_size, model_path, precision
         self.fp8_recipe = fp8_recipe or Fp8Recipe()
@@ -527,6 +529,6 @@ class MegatronRankWorker(SenderRank):
             class Staged(torch.nn.Module):
                 def state_dict(self, *a: Any, **k: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
                     return worker._staged
-            self._sender = WeightSender(Staged())
+            self._sender = WeightSender(Staged(), weight_format=self.weight_format)
         return self._sender
 

@@ -1,0 +1,127 @@
+"""FP8 rollout end to end (issue 21): weights quantised on sync, served block-wise fp8.
+
+A trainer (TorchBackend, fp32, one rank in a real Ray actor) whose weight sender sends
+precision.rollout fp8's format, and a real built-in engine process launched with that mode's
+flags (`--dtype bfloat16 --quantization fp8`). Each round the engine samples responses with its
+logprobs, the trainer takes an optimizer step on them, and the new weights go through one
+transport (disk: the trainer's unquantised export, quantised by the engine; tensor and
+distributed: fp8 values and 128 x 128 scales quantised by the trainer). After every push each
+fp8 Linear the engine serves (/get_weights_by_name: the weight its matmuls use) is bit for bit
+the block-wise dequantisation of the trainer's fp32 master weight, and every other tensor the
+master weight in bf16. The trainer/engine logprob gap of fp32 training against fp8 rollout is
+printed (it is what TIS corrects); it must be larger than fp32 against fp32 (~1e-6 here,
+test_int4_serving.py) and small enough that the samples are the policy's.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import ray
+import torch
+from tinymodels import start_engines, stop_engines
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from milepost.core.config import AlgoConfig, RolloutConfig, TrainConfig
+from milepost.core.fleet.launcher import engine_command
+from milepost.core.quant.fp8 import dequantize_fp8_blockwise, quantize_fp8_blockwise, served_in_fp8
+from milepost.core.quant.modes import sent_weight_format
+from milepost.core.train.torch_backend import TorchBackend
+from milepost.core.types import Sample
+from milepost.core.weight_sync import WeightSyncError, build_transport
+
+PROMPTS = [[3, 4, 5], [7, 8, 9, 10], [11, 12], [13, 14, 15, 16, 17]]
+
+
+def _model(path: str) -> None:
+    """A 2-layer Qwen2, hidden 128, intermediate 320 (ragged 128 x 128 blocks), tied head."""
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=48, hidden_size=128, intermediate_size=320, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                                 max_position_embeddings=128, eos_token_id=1, pad_token_id=0)).save_pretrained(path)
+
+
+def _rollout(client, seed: int) -> list[Sample]:
+    """4 prompts x 2 samples from the engine, with its logprobs and made-up advantages."""
+    params = [{"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True, "sampling_seed": seed * 100 + i}
+              for i in range(2 * len(PROMPTS))]
+    outs = client.generate(PROMPTS * 2, params, return_logprob=True)
+    return [Sample(prompt_index=i % 4, group_index=i % 4, prompt_ids=PROMPTS[i % 4], response_ids=o["output_ids"],
+                   engine_logprobs=[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]],
+                   loss_mask=[1] * len(o["output_ids"]), finish_reason="length", weight_version=str(seed), label="",
+                   advantage=1.0 if i < 4 else -1.0) for i, o in enumerate(outs)]
+
+
+def _served(url: str, name: str) -> torch.Tensor:
+    reply = httpx.post(f"{url}/get_weights_by_name", json={"name": name, "truncate_size": 10**6}, timeout=30)
+    reply.raise_for_status()
+    return torch.tensor(reply.json(), dtype=torch.float32)
+
+
+def _push(transport_name: str, client, backend, export: str, version: str) -> None:
+    transport = build_transport(transport_name, timeout_s=60, num_attempts=1)
+    try:
+        transport.push([client], export, version, backend=backend)
+    finally:
+        transport.close()
+
+
+def test_fp8_engine_serves_the_trainers_block_quantised_weights_bit_for_bit_after_every_transport(tmp_path) -> None:
+    path = str(tmp_path / "model")
+    _model(path)
+    argv = engine_command(RolloutConfig(), path, "0", colocated=False, host="127.0.0.1", precision="fp8").argv()
+    flags = argv[argv.index("--dtype"):argv.index("--weight-version")]
+    assert flags == ["--dtype", "bfloat16", "--quantization", "fp8"]  # what precision.rollout fp8 launches
+    ray.init(num_cpus=2, include_dashboard=False)
+    engines = start_engines(path, tmp_path, 1, *flags, "--weight-update-timeout-s", "30")
+    cfg = TrainConfig(num_ranks=1, micro_batch_size=8, lr=1e-2)
+    backend = TorchBackend.create(path, cfg, AlgoConfig(), 1.0, seed=0, weight_format=sent_weight_format("fp8"))
+    try:
+        client, url = engines[0][1], engines[0][1].base_url
+        assert client.server_info()["quantization"] == "fp8"
+        master = backend.state_dict()
+        layers = sorted(n for n, t in master.items() if served_in_fp8(n, t.shape))
+        assert len(layers) == 14
+        gaps, before = [], _served(url, layers[0])
+        for step, name in enumerate(("disk", "tensor", "distributed"), start=1):
+            metrics = backend.train_step(_rollout(client, step), step)  # the trainer's forward vs the engine's
+            gaps.append(metrics["train/engine_logprob_diff_max"])
+            export = str(tmp_path / f"export{step}")
+            if name == "disk":
+                backend.export_hf(export)  # unquantised: the engine quantises it as at load
+            _push(name, client, backend, export, str(step))
+            master = backend.state_dict()
+            for layer in layers:
+                expected = dequantize_fp8_blockwise(*quantize_fp8_blockwise(master[layer]))
+                assert torch.equal(_served(url, layer), expected), f"{name}: {layer}"
+            for other in ("model.norm.weight", "model.layers.1.self_attn.q_proj.bias"):
+                assert torch.equal(_served(url, other), master[other].to(torch.bfloat16).float()), f"{name}: {other}"
+            now = _served(url, layers[0])
+            assert not torch.equal(now, before)  # the step changed the served fp8 weights
+            before = now
+        print(f"max |trainer fp32 - engine fp8| logprob per round: {[f'{g:.2e}' for g in gaps]}")
+        assert 1e-4 < max(gaps) < 0.5, gaps
+    finally:
+        backend.shutdown()
+        stop_engines(engines)
+        ray.shutdown()
+
+
+def test_a_trainer_sending_unquantised_weights_to_an_fp8_engine_is_refused_by_name(tmp_path) -> None:
+    path = str(tmp_path / "model")
+    _model(path)
+    ray.init(num_cpus=2, include_dashboard=False)
+    engines = start_engines(path, tmp_path, 1, "--dtype", "bfloat16", "--quantization", "fp8",
+                            "--weight-update-timeout-s", "30")
+    backend = TorchBackend.create(path, TrainConfig(num_ranks=1, micro_batch_size=8), AlgoConfig(), 1.0, seed=0)
+    try:
+        client = engines[0][1]
+        with pytest.raises(WeightSyncError, match=r"q_proj.weight: dtype float32 cannot load into float8_e4m3fn .*"
+                                                  r"from a trainer with precision.rollout fp8"):
+            _push("tensor", client, backend, "", "1")
+        assert client.model_info()["weight_version"] != "1"  # nothing half-loaded: the push was refused whole
+        assert len(client.generate([PROMPTS[0]], [{"max_new_tokens": 2}])[0]["output_ids"]) == 2  # still serving
+    finally:
+        backend.shutdown()
+        stop_engines(engines)
+        ray.shutdown()
