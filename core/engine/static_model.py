@@ -11,7 +11,9 @@ and attention plumbing:
   that later decode steps overwrite before any query can see it).
 - Fused projections: each layer's q/k/v weights (and gate/up) become views of one buffer
   (`fuse_weights`), so one GEMM computes them; a weight update copied into a view lands in
-  the buffer, and nothing is held twice.
+  the buffer, and nothing is held twice. Projections stored in another format than the
+  model's dtype (`--quantization fp8`: fp8 values with block scales, quantized.py) are not
+  fused: each one's own module computes its matmul (it dequantises its weight).
 - Decode: one token per row at fixed shapes (batch bucket × length bucket). Grouped
   queries attend as [rows, kv_heads, group, dim], so keys are never repeated per head.
   On CUDA each shape is captured once as a CUDA graph and replayed: a step's ~25 kernels
@@ -81,7 +83,7 @@ class StaticDecoder:
         self.cache: torch.Tensor | None = None
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool: Any = None  # torch.cuda.graph_pool_handle()
-        self._fused: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] | None = None
+        self._fused: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None] | None = None
         with torch.inference_mode():
             positions = torch.arange(max_len, device=self.device).unsqueeze(0)
             cos, sin = model.model.rotary_emb(weight[:1].unsqueeze(0), positions)
@@ -112,10 +114,14 @@ class StaticDecoder:
 
     def fuse_weights(self) -> None:
         """Make each layer's q/k/v weights (and biases) and gate/up weights views of one
-        buffer each (a no-op when they already are)."""
-        fused = []
+        buffer each (a no-op when they already are); None for a layer whose weights are stored
+        in another format (module doc)."""
+        fused: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None] = []
         for layer in self.layers:
             a, m = layer.self_attn, layer.mlp
+            if a.q_proj.weight.dtype != self.dtype:
+                fused.append(None)
+                continue
             bias = None if a.q_proj.bias is None else _fuse([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
             fused.append((_fuse([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), bias,
                           _fuse([m.gate_proj.weight, m.up_proj.weight])))
@@ -125,8 +131,9 @@ class StaticDecoder:
         if self._fused is None:
             self.fuse_weights()
 
-    def _weights(self, index: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """Layer `index`'s fused (qkv weight, qkv bias, gate_up weight): _ready_weights first."""
+    def _weights(self, index: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
+        """Layer `index`'s fused (qkv weight, qkv bias, gate_up weight), None where not fused:
+        _ready_weights first."""
         assert self._fused is not None, "_ready_weights() first"
         return self._fused[index]
 
@@ -147,10 +154,13 @@ class StaticDecoder:
     def _qkv(self, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, hidden] → q [B, heads, T, dim], k and v [B, kv_heads, T, dim], rotated."""
-        a, (weight, bias, _) = self.layers[index].self_attn, self._weights(index)
+        a, fused = self.layers[index].self_attn, self._weights(index)
         shape = (*x.shape[:2], -1, self.head_dim)
-        kv = self.kv_heads * self.head_dim
-        q, k, v = F.linear(x, weight, bias).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
+        if fused is None:
+            q, k, v = a.q_proj(x), a.k_proj(x), a.v_proj(x)
+        else:
+            kv = self.kv_heads * self.head_dim
+            q, k, v = F.linear(x, fused[0], fused[1]).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
         q, k, v = q.reshape(shape), k.reshape(shape), v.reshape(shape)
         if hasattr(a, "q_norm"):  # Qwen3 normalises each head before the rotation
             q, k = _rms_norm(a.q_norm, q), _rms_norm(a.k_norm, k)
@@ -159,9 +169,11 @@ class StaticDecoder:
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
     def _finish_layer(self, index: int, residual: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        layer, gate_up = self.layers[index], self._weights(index)[2]
+        layer, fused = self.layers[index], self._weights(index)
         x = residual + layer.self_attn.o_proj(attn)
-        gate, up = F.linear(_rms_norm(layer.post_attention_layernorm, x), gate_up).chunk(2, dim=-1)
+        h = _rms_norm(layer.post_attention_layernorm, x)
+        gate, up = (layer.mlp.gate_proj(h), layer.mlp.up_proj(h)) if fused is None \
+            else F.linear(h, fused[2]).chunk(2, dim=-1)
         return x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
 
     def prefill(self, prompts: list[list[int]], first_row: int, all_logits: bool) -> torch.Tensor:

@@ -154,3 +154,33 @@ def test_the_receiver_refuses_a_float_weight_for_an_fp8_one_and_the_reverse_neve
                      WeightReceiver(SimpleNamespace(model=fp8_engine)).problems([float_spec]) or "")
     assert re.search(refusal.format("float8_e4m3fn", "float32"),
                      WeightReceiver(SimpleNamespace(model=plain_engine)).problems([fp8_spec]) or "")
+
+
+def test_the_fast_path_serves_fp8_layers_unfused_with_the_hf_forwards_numbers() -> None:
+    """static_model.py computes an fp8 layer's projections with its own modules (dequantised
+    weights): prefill and decode logits are the HF forward's of the same fp8 model, and the
+    greedy tokens the HF path's. CUDA graphs of the same code: tests/gpu."""
+    from milepost.core.engine.continuous import ContinuousGenerator
+    from milepost.core.engine.generation import Generator, SamplingParams, Sequence
+    from milepost.core.engine.static_model import StaticDecoder
+
+    model = _tiny(0)
+    serve_fp8(model, torch.float32)
+    dec = StaticDecoder(model, num_slots=2, max_len=32, use_graphs=False)
+    dec.allocate()
+    prompts, nxt = [[3, 4, 5], [7, 8, 9, 10, 11]], torch.tensor([6, 13])
+    with torch.inference_mode():
+        last = dec.prefill(prompts, 0, all_logits=False)
+        assert dec._fused == [None, None]  # not fused: fp8 weights with their own scales
+        dec.in_tokens[:2], dec.in_pos[:2] = nxt, torch.tensor([len(p) for p in prompts])
+        step = dec.decode(2, max(len(p) for p in prompts))
+        for i, p in enumerate(prompts):
+            ref = model(torch.tensor([p + [int(nxt[i])]])).logits[0]
+            assert torch.allclose(last[i], ref[-2], atol=1e-5) and torch.allclose(step[i], ref[-1], atol=1e-5)
+    params = dict(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    fast, queue = [], [Sequence(p, SamplingParams(**params), seed=0) for p in prompts]
+    assert ContinuousGenerator(model, [1], num_slots=2, max_len=32, use_graphs=False).run(
+        lambda free: [queue.pop(0) for _ in range(min(free, len(queue)))], fast.append)
+    ref = [Sequence(p, SamplingParams(**params), seed=0) for p in prompts]
+    Generator(model, [1]).run_batch(ref)
+    assert sorted(s.output_ids for s in fast) == sorted(r.output_ids for r in ref)
