@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 
-from milepost.core.engine.weight_receiver import copy_all
 from milepost.core.weight_sync import sglang_wire, wire
 
 RESULTS = Path(__file__).parent / "results" / "cuda_ipc_sync.txt"
@@ -92,7 +91,7 @@ def engine(conn, specs: list[wire.Spec], keep_mappings: bool) -> None:
         flat, got = sglang_wire.decode(base64.b64decode(payload))
         torch.cuda.synchronize()
         t1 = time.perf_counter()
-        copy_all([mine[spec["name"]] for spec in got], [wire.view(flat, spec["offset"], spec) for spec in got])
+        wire.copy_all([mine[spec["name"]] for spec in got], [wire.view(flat, spec["offset"], spec) for spec in got])
         torch.cuda.synchronize()
         t2 = time.perf_counter()
         raw = flat.view(torch.uint8)  # diagnostics: the same bytes as one copy from the mapped

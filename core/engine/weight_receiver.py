@@ -374,7 +374,7 @@ class WeightReceiver:
         problem = self.problems(specs)
         if problem:
             raise UpdateRejected(problem)
-        copy_all([self.shadow(s["name"]) for s in specs], [wire.view(flat, s["offset"], s) for s in specs])
+        wire.copy_all([self.shadow(s["name"]) for s in specs], [wire.view(flat, s["offset"], s) for s in specs])
         return f"staged {len(specs)} tensors from a flattened bucket"
 
     # ---- tensor transport: the trainer's shm bucket files, used in place ----
@@ -403,13 +403,3 @@ class WeightReceiver:
             lease.release()  # the reference taken by open(); staged tensors hold their own
         return f"staged {len(specs)} tensors from {descriptor['shm_name']}"
 
-
-def copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-    """targets[i].copy_(sources[i]) for all i: one multi-tensor copy where dtypes and devices
-    match (on a GPU, 200 separate copies of a bucket cost ~5 ms of launches; measured in
-    bench/results/cuda_ipc_sync_phases.txt), else one by one (converting)."""
-    same = [i for i, (t, s) in enumerate(zip(targets, sources)) if t.dtype == s.dtype and t.device == s.device]
-    if same:
-        torch._foreach_copy_([targets[i] for i in same], [sources[i] for i in same])
-    for i in sorted(set(range(len(targets))) - set(same)):
-        targets[i].copy_(sources[i])

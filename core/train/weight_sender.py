@@ -194,8 +194,13 @@ class WeightSender:
         return [sglang_wire.encode(flat[:total], specs) for _ in range(copies)]
 
     def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """dst.copy_(src) for every pair, spread over the copy threads in balanced groups."""
+        """dst.copy_(src) for every pair: into a CUDA buffer as one multi-tensor copy (one
+        launch, not one per tensor: the GPU's copy engine needs no threads), into host memory
+        spread over the copy threads in balanced groups."""
         n = self.copy_threads
+        if pairs and pairs[0][0].is_cuda:
+            wire.copy_all([d for d, _ in pairs], [s for _, s in pairs])
+            return
         if n == 1:
             for dst, src in pairs:
                 dst.copy_(src)

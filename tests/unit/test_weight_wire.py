@@ -126,3 +126,11 @@ def test_sglang_payload_claiming_more_than_its_segment_is_refused(monkeypatch) -
     raw = base64.b64decode(sglang_wire.encode(flat, specs))
     with pytest.raises(ValueError, match="holds .* bytes, the payload says"):
         sglang_wire.decode(raw)
+
+
+def test_copy_all_copies_every_pair_converting_where_dtypes_differ() -> None:
+    sources = [torch.randn(3, 4), torch.randn(5), torch.randn(2, 2)]
+    targets = [torch.empty(3, 4), torch.empty(5, dtype=torch.bfloat16), torch.empty(2, 2)]
+    wire.copy_all(targets, sources)
+    assert torch.equal(targets[0], sources[0]) and torch.equal(targets[2], sources[2])
+    assert torch.equal(targets[1], sources[1].to(torch.bfloat16))
