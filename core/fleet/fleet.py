@@ -85,7 +85,7 @@ class Fleet:
                  admin_key_path: str | None = None) -> None:
         self.base_model_path, self.base_weight_version = model_path, weight_version
         self.admin_key_path = admin_key_path  # engines read the key from this file
-        self._admin_key = read_key_file(admin_key_path) if admin_key_path else None
+        self.admin_key = read_key_file(admin_key_path) if admin_key_path else None
         self.cfg, self.host, self.detached, self.on_change = cfg, host, detached, on_change
         self.router_actor: Any = None  # the RouterActor of a detached fleet
         self.router_name: str | None = None
@@ -182,7 +182,7 @@ class Fleet:
 
     def engine_client(self, url: str) -> EngineClient:
         """A client of one engine of this fleet (it sends the admin key, if any)."""
-        return EngineClient(url, self.cfg.request_timeout_s, admin_key=self._admin_key)
+        return EngineClient(url, self.cfg.request_timeout_s, admin_key=self.admin_key)
 
     def _start_router(self) -> Router:
         if not self.detached:

@@ -248,7 +248,7 @@ class FleetSupervisor:
         """First healthy answer: current weights, client installed, router registration."""
         slot.timings["healthy"] = time.monotonic()
         try:
-            caps = probe_engine(slot.url, self.cfg.engine, self.fleet._admin_key)
+            caps = probe_engine(slot.url, self.cfg.engine, self.fleet.admin_key)
             slot.version, slot.device = caps.version, caps.device
         except EngineRefused as e:  # a build without what milepost drives: restarting it cannot help
             with self._lock:
