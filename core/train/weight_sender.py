@@ -79,6 +79,15 @@ def sweep_stale_buffers() -> None:
                 pass
 
 
+def source_names(names: list[str], weight_format: str | None) -> list[str]:
+    """The trainer's tensors that the sent tensors `names` are computed from: an fp8
+    `X.weight_scale_inv` comes from `X.weight` (a backend that stages tensors by name, as
+    Megatron gathers them, stages these)."""
+    if weight_format != "fp8":
+        return list(names)
+    return list(dict.fromkeys(n.removesuffix(fp8.SCALE_SUFFIX) for n in names))
+
+
 class WeightSender:
     """Sends `module`'s weights. A tied weight travels once, under its first state-dict name.
 

@@ -18,6 +18,7 @@ from tinymodels import random_train_samples, save_tiny_qwen2
 
 from milepost.core.config import AlgoConfig, TrainConfig
 from milepost.core.model.loading import load_causal_lm
+from milepost.core.quant.fp8 import FP8_DTYPE, quantize_fp8_blockwise, scale_name, served_in_fp8
 from milepost.core.train.backend import TrainBackend
 from milepost.core.train.batch import collate
 from milepost.core.train.factory import create_backend
@@ -107,6 +108,12 @@ def runs(ray_cluster, model_path, tmp_path_factory) -> dict:
             out[f"tp{tp}_w2"] = b.state_dict()
         finally:
             b.shutdown()
+    b = create_backend(model_path, megatron_cfg(2, False), AlgoConfig(), TEMPERATURE, seed=7, total_steps=10,
+                       rollout_precision="fp8")
+    try:  # precision.rollout fp8: the gathered HF tensors, block-quantised on sync
+        out["tp2_fp8_shm_w0"] = read_shm_buckets(b)
+    finally:
+        b.shutdown()
     b = create(model_path, TrainConfig(backend="megatron", num_ranks=2, micro_batch_size=3, lr=LR, lr_schedule="linear",
                                        warmup_steps=1, megatron={"pipeline_parallel": 2, "micro_batch_tokens": 40}))
     try:  # two pipeline stages: the schedule's p2p path, the tied embedding on both ends, export per stage
@@ -211,6 +218,21 @@ def test_tensor_weight_sync_sends_gathered_hf_tensors(runs):
     assert set(sent) == set(trained) - {"lm_head.weight"}
     for name, t in sent.items():
         assert torch.equal(t, trained[name]), name
+
+
+def test_fp8_rollout_sends_the_gathered_tensors_block_quantised(runs, model_path):
+    """TP=2 with precision.rollout fp8: every tensor the fp8 engine holds, the decoder Linears
+    as e4m3 values and 128 x 128 scales quantised from the gathered weights, the rest as they are."""
+    source, sent = load_file(f"{model_path}/model.safetensors"), runs["tp2_fp8_shm_w0"]
+    picked = [n for n, t in source.items() if served_in_fp8(n, t.shape)]
+    assert picked and set(sent) == (set(source) - {"lm_head.weight"}) | {scale_name(n) for n in picked}
+    for name, t in source.items():
+        if name in picked:
+            q, scale = quantize_fp8_blockwise(t)
+            assert sent[name].dtype == FP8_DTYPE and torch.equal(sent[name].float(), q.float()), name
+            assert torch.equal(sent[scale_name(name)], scale), name
+        elif name != "lm_head.weight":
+            assert torch.equal(sent[name], t), name
 
 
 @pytest.mark.parametrize("ckpt_tp,tp", [(2, 1), (1, 2)])

@@ -184,3 +184,10 @@ def test_the_fast_path_serves_fp8_layers_unfused_with_the_hf_forwards_numbers() 
     ref = [Sequence(p, SamplingParams(**params), seed=0) for p in prompts]
     Generator(model, [1]).run_batch(ref)
     assert sorted(s.output_ids for s in fast) == sorted(r.output_ids for r in ref)
+
+
+def test_a_staging_backend_stages_the_weights_the_sent_scales_come_from() -> None:
+    from milepost.core.train.weight_sender import source_names
+    sent = ["m.layers.0.q.weight_scale_inv", "m.layers.0.q.weight", "m.norm.weight", "m.layers.1.q.weight_scale_inv"]
+    assert source_names(sent, "fp8") == ["m.layers.0.q.weight", "m.norm.weight", "m.layers.1.q.weight"]
+    assert source_names(sent, None) == sent

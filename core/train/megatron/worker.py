@@ -501,7 +501,9 @@ class MegatronRankWorker(SenderRank):
             mapping_for,
             to_hf,
         )
-        wanted = None if names is None else set(names)
+        from milepost.core.train.weight_sender import source_names
+        # the sent names (fp8: scales too) -> the weights they are computed from
+        wanted = None if names is None else set(source_names(names, self.weight_format))
         staged: dict[str, torch.Tensor] = {}
         for chunk in self.model:
             for _, name, param in global_names(chunk.module, self.ep_rank):
