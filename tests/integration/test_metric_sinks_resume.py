@@ -16,30 +16,44 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "faults"))
 import fault_campaign as cp
 
+HOLD_HOOK = Path(__file__).resolve().parents[1] / "faults" / "hold_hook.py"
 SHAPE = cp.Shape(num_blocks=2, steps_per_block=4, prompts_per_step=8, samples_per_prompt=4, checkpoint_every=2,
-                 warmstart_steps=60, eval_prompts=16, extra=("metrics.sinks=[tensorboard, mlflow]",))
+                 warmstart_steps=60, eval_prompts=16,
+                 extra=("metrics.sinks=[tensorboard, mlflow]", f"hooks.on_step_end=[{HOLD_HOOK}:hold]"))
 NUM_STEPS = SHAPE.num_steps
 KILL_AFTER_STEP = 7  # block 1, after step 6's checkpoint: step 7 is trained but not committed
 TRAIN_TAGS = ("rollout/reward_mean", "loss/entropy", "loss/kl", "rollout/staleness", "timing/step_s")
 
 
-def _kill_after(campaign: Path, cache: Path, log: Path, step: int) -> subprocess.Popen:
+def _kill_after(campaign: Path, cache: Path, log: Path, step: int, monkeypatch: pytest.MonkeyPatch
+                ) -> subprocess.Popen:
+    """Run until `step` is recorded and SIGKILL the run there: the hold hook keeps the loop after
+    that step (before the next one or a checkpoint) until the kill has landed."""
+    hold = campaign.parent / "hold"
+    hold.touch()
+    monkeypatch.setenv("MILEPOST_TEST_HOLD_FILE", str(hold))
+    monkeypatch.setenv("MILEPOST_TEST_HOLD_STEP", str(step))
     proc = cp.start(campaign, cache, SHAPE.overrides(), log)
+    monkeypatch.delenv("MILEPOST_TEST_HOLD_FILE")  # the resumed run does not hold
     deadline = time.monotonic() + 600
     while cp.steps_recorded(campaign) < step:
         assert proc.poll() is None, f"run ended before step {step}:\n{log.read_text()[-4000:]}"
         assert time.monotonic() < deadline, "run made no progress in 600 s"
         time.sleep(0.05)
+    assert cp.steps_recorded(campaign) == step  # held there
     proc.send_signal(signal.SIGKILL)
     proc.wait(30)
+    # the held stage job exits once its driver is gone (tasks/stage.die_with); the file stays,
+    # so nothing releases it into step 8 before that, and the rerun does not read it
     return proc
 
 
 @pytest.mark.slow
-def test_sinks_hold_every_step_once_after_a_sigkill_and_resume(tmp_path: Path) -> None:
+def test_sinks_hold_every_step_once_after_a_sigkill_and_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                               ) -> None:
     cache, campaign, log = tmp_path / "cache", tmp_path / "c", tmp_path / "runs.log"
     cp.build_model(cache, SHAPE.overrides())
-    killed = _kill_after(campaign, cache, log, KILL_AFTER_STEP)
+    killed = _kill_after(campaign, cache, log, KILL_AFTER_STEP, monkeypatch)
     try:
         _check_campaign(tmp_path, campaign, log)
     finally:
