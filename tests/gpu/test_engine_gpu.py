@@ -40,38 +40,36 @@ def _feeder(queue: list) -> Callable[[int], list]:
     return lambda free: [queue.pop(0) for _ in range(min(free, len(queue)))]
 
 
-def test_graph_replay_equals_eager_decoding() -> None:
+def _eager_and_replayed(model: torch.nn.Module) -> list:
+    """[(tokens, logprobs) per sequence] run eagerly, then through captured CUDA graphs; the
+    generators are returned too, to check what each ran."""
     from milepost.core.engine.continuous import ContinuousGenerator
     from milepost.core.engine.generation import SamplingParams, Sequence
-    model = _model(0)
     outs = []
     for graphs in (False, True):
         gen = ContinuousGenerator(model, [1], num_slots=16, max_len=512, use_graphs=graphs)
         seqs = [Sequence(list(p), SamplingParams(max_new_tokens=40, temperature=1.0, ignore_eos=True), seed=i)
                 for i, p in enumerate(PROMPTS * 3)]
         assert gen.run(_feeder(list(seqs)), lambda s: None)
-        outs.append([(s.output_ids, s.output_logprobs) for s in seqs])
         assert gen.decoder.use_graphs == graphs and (not graphs or gen.decoder._graphs)
-    assert outs[0] == outs[1]
+        outs.append(([(s.output_ids, s.output_logprobs) for s in seqs], gen))
+    return outs
+
+
+def test_graph_replay_equals_eager_decoding() -> None:
+    (eager, _), (replayed, _) = _eager_and_replayed(_model(0))
+    assert eager == replayed
 
 
 def test_fp8_layers_replay_in_graphs_as_eagerly() -> None:
     """precision.rollout fp8 on the fast path (unfused fp8 projections, dequantised inside the
     captured graphs): replay gives the numbers of the same code run eagerly."""
-    from milepost.core.engine.continuous import ContinuousGenerator
-    from milepost.core.engine.generation import SamplingParams, Sequence
     from milepost.core.engine.quantized import serve_fp8
     model = _model(0).float()  # quantised from float32, as load_model does
     assert len(serve_fp8(model, torch.bfloat16)) == 7 * 8
-    outs = []
-    for graphs in (False, True):
-        gen = ContinuousGenerator(model, [1], num_slots=16, max_len=512, use_graphs=graphs)
-        seqs = [Sequence(list(p), SamplingParams(max_new_tokens=40, temperature=1.0, ignore_eos=True), seed=i)
-                for i, p in enumerate(PROMPTS * 3)]
-        assert gen.run(_feeder(list(seqs)), lambda s: None)
-        outs.append([(s.output_ids, s.output_logprobs) for s in seqs])
-        assert gen.decoder._fused is not None and set(gen.decoder._fused) == {None}
-    assert outs[0] == outs[1]
+    (eager, _), (replayed, gen) = _eager_and_replayed(model)
+    assert gen.decoder._fused is not None and set(gen.decoder._fused) == {None}
+    assert eager == replayed
 
 
 @pytest.fixture(scope="module")

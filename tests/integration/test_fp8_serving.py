@@ -15,11 +15,10 @@ test_int4_serving.py) and small enough that the samples are the policy's.
 
 from __future__ import annotations
 
-import httpx
 import pytest
 import ray
 import torch
-from tinymodels import start_engines, stop_engines
+from tinymodels import engine_samples, served_weight, start_engines, stop_engines
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from milepost.core.config import AlgoConfig, RolloutConfig, TrainConfig
@@ -27,7 +26,6 @@ from milepost.core.fleet.launcher import engine_command
 from milepost.core.quant.fp8 import dequantize_fp8_blockwise, quantize_fp8_blockwise, served_in_fp8
 from milepost.core.quant.modes import sent_weight_format
 from milepost.core.train.torch_backend import TorchBackend
-from milepost.core.types import Sample
 from milepost.core.weight_sync import WeightSyncError, build_transport
 
 PROMPTS = [[3, 4, 5], [7, 8, 9, 10], [11, 12], [13, 14, 15, 16, 17]]
@@ -39,23 +37,6 @@ def _model(path: str) -> None:
     Qwen2ForCausalLM(Qwen2Config(vocab_size=48, hidden_size=128, intermediate_size=320, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
                                  max_position_embeddings=128, eos_token_id=1, pad_token_id=0)).save_pretrained(path)
-
-
-def _rollout(client, seed: int) -> list[Sample]:
-    """4 prompts x 2 samples from the engine, with its logprobs and made-up advantages."""
-    params = [{"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True, "sampling_seed": seed * 100 + i}
-              for i in range(2 * len(PROMPTS))]
-    outs = client.generate(PROMPTS * 2, params, return_logprob=True)
-    return [Sample(prompt_index=i % 4, group_index=i % 4, prompt_ids=PROMPTS[i % 4], response_ids=o["output_ids"],
-                   engine_logprobs=[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]],
-                   loss_mask=[1] * len(o["output_ids"]), finish_reason="length", weight_version=str(seed), label="",
-                   advantage=1.0 if i < 4 else -1.0) for i, o in enumerate(outs)]
-
-
-def _served(url: str, name: str) -> torch.Tensor:
-    reply = httpx.post(f"{url}/get_weights_by_name", json={"name": name, "truncate_size": 10**6}, timeout=30)
-    reply.raise_for_status()
-    return torch.tensor(reply.json(), dtype=torch.float32)
 
 
 def _push(transport_name: str, client, backend, export: str, version: str) -> None:
@@ -82,9 +63,10 @@ def test_fp8_engine_serves_the_trainers_block_quantised_weights_bit_for_bit_afte
         master = backend.state_dict()
         layers = sorted(n for n, t in master.items() if served_in_fp8(n, t.shape))
         assert len(layers) == 14
-        gaps, before = [], _served(url, layers[0])
+        gaps, before = [], served_weight(url, layers[0])
         for step, name in enumerate(("disk", "tensor", "distributed"), start=1):
-            metrics = backend.train_step(_rollout(client, step), step)  # the trainer's forward vs the engine's
+            # the trainer's forward vs the engine's logprobs
+            metrics = backend.train_step(engine_samples(client, PROMPTS, step), step)
             gaps.append(metrics["train/engine_logprob_diff_max"])
             export = str(tmp_path / f"export{step}")
             if name == "disk":
@@ -93,10 +75,11 @@ def test_fp8_engine_serves_the_trainers_block_quantised_weights_bit_for_bit_afte
             master = backend.state_dict()
             for layer in layers:
                 expected = dequantize_fp8_blockwise(*quantize_fp8_blockwise(master[layer]))
-                assert torch.equal(_served(url, layer), expected), f"{name}: {layer}"
+                assert torch.equal(served_weight(url, layer), expected), f"{name}: {layer}"
             for other in ("model.norm.weight", "model.layers.1.self_attn.q_proj.bias"):
-                assert torch.equal(_served(url, other), master[other].to(torch.bfloat16).float()), f"{name}: {other}"
-            now = _served(url, layers[0])
+                expected = master[other].to(torch.bfloat16).float()
+                assert torch.equal(served_weight(url, other), expected), f"{name}: {other}"
+            now = served_weight(url, layers[0])
             assert not torch.equal(now, before)  # the step changed the served fp8 weights
             before = now
         print(f"max |trainer fp32 - engine fp8| logprob per round: {[f'{g:.2e}' for g in gaps]}")

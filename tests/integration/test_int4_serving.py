@@ -12,17 +12,15 @@ with — and the trainer's forward gives the engine's logprobs of the engine's s
 
 from __future__ import annotations
 
-import httpx
 import ray
 import torch
-from tinymodels import start_engines, stop_engines
+from tinymodels import engine_samples, served_weight, start_engines, stop_engines
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from milepost.core.config import AlgoConfig, RolloutConfig, TrainConfig
 from milepost.core.fleet.launcher import engine_command
 from milepost.core.quant.int4 import fake_quantize_int4, quantized_linears
 from milepost.core.train.torch_backend import TorchBackend
-from milepost.core.types import Sample
 from milepost.core.weight_sync import build_transport
 
 PROMPTS = [[3, 4, 5], [7, 8, 9, 10], [11, 12], [13, 14, 15, 16, 17]]
@@ -39,23 +37,6 @@ def _model(path: str) -> list[str]:
     return sorted(quantized_linears(model))
 
 
-def _rollout(client, seed: int) -> list[Sample]:
-    """4 prompts x 2 samples from the engine, with its logprobs and made-up advantages."""
-    params = [{"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True, "sampling_seed": seed * 100 + i}
-              for i in range(2 * len(PROMPTS))]
-    outs = client.generate(PROMPTS * 2, params, return_logprob=True)
-    return [Sample(prompt_index=i % 4, group_index=i % 4, prompt_ids=PROMPTS[i % 4], response_ids=o["output_ids"],
-                   engine_logprobs=[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]],
-                   loss_mask=[1] * len(o["output_ids"]), finish_reason="length", weight_version=str(seed), label="",
-                   advantage=1.0 if i < 4 else -1.0) for i, o in enumerate(outs)]
-
-
-def _served(url: str, name: str) -> torch.Tensor:
-    reply = httpx.post(f"{url}/get_weights_by_name", json={"name": name, "truncate_size": 10**6}, timeout=30)
-    reply.raise_for_status()
-    return torch.tensor(reply.json(), dtype=torch.float32)
-
-
 def test_int4_engine_serves_the_trainers_fake_quantised_weights_bit_for_bit_after_every_transport(tmp_path) -> None:
     path = str(tmp_path / "model")
     layers = _model(path)
@@ -69,9 +50,10 @@ def test_int4_engine_serves_the_trainers_fake_quantised_weights_bit_for_bit_afte
     try:
         client, url = engines[0][1], engines[0][1].base_url
         assert client.server_info()["quantization"] == "int4"
-        gaps, before = [], _served(url, f"{layers[0]}.weight")
+        gaps, before = [], served_weight(url, f"{layers[0]}.weight")
         for step, name in enumerate(("disk", "tensor", "distributed"), start=1):
-            metrics = backend.train_step(_rollout(client, step), step)  # the trainer's forward vs the engine's
+            # the trainer's forward vs the engine's logprobs
+            metrics = backend.train_step(engine_samples(client, PROMPTS, step), step)
             gaps.append(metrics["train/engine_logprob_diff_max"])
             export = str(tmp_path / f"export{step}")
             if name == "disk":
@@ -83,11 +65,11 @@ def test_int4_engine_serves_the_trainers_fake_quantised_weights_bit_for_bit_afte
                 transport.close()
             master = backend.state_dict()
             for layer in layers:
-                served, weight = _served(url, f"{layer}.weight"), master[f"{layer}.weight"]
+                served, weight = served_weight(url, f"{layer}.weight"), master[f"{layer}.weight"]
                 assert torch.equal(served, fake_quantize_int4(weight)), f"{name}: {layer}"
                 assert not torch.equal(served, weight)  # int4, not the pushed fp32 weight
-            assert torch.equal(_served(url, "model.norm.weight"), master["model.norm.weight"])
-            now = _served(url, f"{layers[0]}.weight")
+            assert torch.equal(served_weight(url, "model.norm.weight"), master["model.norm.weight"])
+            now = served_weight(url, f"{layers[0]}.weight")
             assert not torch.equal(now, before)  # the step changed the int4 weights: re-quantised, not stale
             before = now
         assert max(gaps) < 1e-4, gaps  # the policy trained is the policy served

@@ -1,6 +1,6 @@
 """Shared by the integration tests: a tiny random Qwen2 saved in HF format, random training
-samples for it, and built-in engine server processes started and stopped by pid (never by
-name)."""
+samples for it, built-in engine server processes started and stopped by pid (never by
+name), samples drawn from an engine, and the weights an engine serves."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -85,3 +86,23 @@ def stop_engines(started: list[tuple[subprocess.Popen, EngineClient]]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
+
+
+def engine_samples(client: EngineClient, prompts: list[list[int]], seed: int) -> list[Sample]:
+    """2 samples per prompt from the engine (6 new tokens, temperature 1), with its logprobs;
+    advantage +1 for the first sample of each prompt, -1 for the second."""
+    n = len(prompts)
+    params = [{"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True, "sampling_seed": seed * 100 + i}
+              for i in range(2 * n)]
+    outs = client.generate(prompts * 2, params, return_logprob=True)
+    return [Sample(prompt_index=i % n, group_index=i % n, prompt_ids=prompts[i % n], response_ids=o["output_ids"],
+                   engine_logprobs=[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]],
+                   loss_mask=[1] * len(o["output_ids"]), finish_reason="length", weight_version=str(seed), label="",
+                   advantage=1.0 if i < n else -1.0) for i, o in enumerate(outs)]
+
+
+def served_weight(url: str, name: str) -> torch.Tensor:
+    """The tensor `name` as the engine's matmuls use it (SGLang's /get_weights_by_name), float32."""
+    reply = httpx.post(f"{url}/get_weights_by_name", json={"name": name, "truncate_size": 10**6}, timeout=30)
+    reply.raise_for_status()
+    return torch.tensor(reply.json(), dtype=torch.float32)

@@ -107,7 +107,7 @@ def test_a_disk_load_of_an_unquantised_export_is_served_as_that_export_pushed(tm
     sched = Scheduler(first)
     sched.device, sched.dtype, sched.quantization = "cpu", "bfloat16", "fp8"
     sched.load()
-    assert sched.driver is None  # the HF path: the fast path fuses the unquantised weights itself
+    assert sched.driver is None  # the HF path (a CPU with --decode-path auto)
     ok, message = sched.update_weights(second, "1", flush_cache=False, abort_all=False)
     assert ok, message
     expected = _tiny(1)
