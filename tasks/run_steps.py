@@ -19,7 +19,7 @@ from milepost.core.fleet.direct import direct_client
 from milepost.core.fleet.fleet import Fleet, FleetTransport
 from milepost.core.hooks import BlockInfo
 from milepost.core.loop import LoopState, RLLoop
-from milepost.core.metrics.publish import eval_rows, open_sinks, record_train_start
+from milepost.core.metrics.publish import eval_rows, open_sinks, publish_committed, record_train_start
 from milepost.core.model.loading import load_tokenizer
 from milepost.core.model.moe import is_moe_model
 from milepost.core.records import Stage
@@ -49,7 +49,8 @@ def run_steps(ctx: StageContext) -> dict[str, Any]:
     recipe = ctx.recipe
     last_step = ctx.last_step()
     latest = ctx.checkpoints.latest_valid()
-    if latest and latest.step >= last_step:
+    if latest and latest.step >= last_step:  # trained already: only the sinks may lack the last steps
+        publish_committed(recipe, ctx.store, latest.state["metrics"])
         return {"steps": [last_step - recipe.campaign.steps_per_block + 1, last_step], "resumed": True}
     model_path = ctx.model_path()
     tokenizer = load_tokenizer(model_path)

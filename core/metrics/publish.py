@@ -101,11 +101,23 @@ def publish_eval(recipe: Recipe, store: CampaignStore, step: int, evaluation: di
     """The evaluate stage's result (and any earlier eval a killed stage left out) to the sinks.
     A rerun of the stage measures the same greedy eval of the same weights; what the sinks
     already hold is not written again."""
+    _publish(recipe, store, eval_rows(store, recipe.campaign.steps_per_block) + [eval_row(step, evaluation)])
+
+
+def publish_committed(recipe: Recipe, store: CampaignStore, rows: list[dict[str, Any]]) -> None:
+    """A checkpoint's step rows (and the evals so far) to the sinks that lack them: a stage
+    killed after a checkpoint committed and before its sinks took the steps left them out,
+    and a rerun that has no step left to train must still write them."""
+    _publish(recipe, store, rows + eval_rows(store, recipe.campaign.steps_per_block))
+
+
+def _publish(recipe: Recipe, store: CampaignStore, rows: list[dict[str, Any]]) -> None:
+    """`rows` to the recipe's sinks beyond jsonl, each (step, tag) a sink lacks written once."""
     if len(recipe.metrics.sinks) == recipe.metrics.sinks.count("jsonl"):
         return
     sinks = open_sinks(recipe, store)
     try:
-        sinks.publish(eval_rows(store, recipe.campaign.steps_per_block) + [eval_row(step, evaluation)])
+        sinks.publish(rows)
     finally:
         sinks.close()
 

@@ -135,3 +135,25 @@ def test_milepost_run_with_a_wrong_sink_exits_2_before_anything_starts(tmp_path:
     rc = main(["run", recipe, "--campaign", str(campaign), "--set", "metrics.sinks=[tensorbord]"])
     assert rc == 2 and not campaign.exists()
     assert "metrics.sinks" in capsys.readouterr().err
+
+
+def test_a_rerun_block_with_nothing_left_to_train_still_gives_the_sinks_its_last_steps(tmp_path: Path) -> None:
+    """run_steps killed after its block's last checkpoint committed and before the sinks took
+    steps 3-4 (the window a CI run hit): the rerun trains nothing, and the sinks get them."""
+    from milepost.core.checkpoint import CheckpointManager
+    from milepost.core.metrics.publish import open_sinks
+    from milepost.core.recipe_io import load_recipe
+    from milepost.core.store import CampaignStore
+    from milepost.tasks.context import StageContext
+    from milepost.tasks.run_steps import run_steps
+
+    recipe = load_recipe("recipes/tiny-arith.yaml", ["metrics.sinks=[tensorboard]", "campaign.steps_per_block=4"])
+    store = CampaignStore(str(tmp_path / "c"))
+    checkpoints = CheckpointManager(store.local_path("checkpoints"), recipe.checkpoint.keep_last)
+    checkpoints.save(4, {"step": 4, "metrics": _rows(1, 4)}, lambda folder: (folder / "weights").write_text("w"))
+    sinks = open_sinks(recipe, store)
+    sinks.publish(_rows(1, 2))  # what the killed stage had published
+    sinks.close()
+    result = run_steps(StageContext("c", 0, recipe, store, checkpoints))
+    assert result == {"steps": [1, 4], "resumed": True}
+    assert _tb_counts(Path(store.local_path("metrics", "tensorboard")))["loss/kl"] == [1, 2, 3, 4]
