@@ -24,10 +24,14 @@ from milepost.core.plan.layout import TrainLayout
 
 GB = 1e9
 BYTES = {"bf16": 2, "fp32": 4}
-# An engine's bytes per parameter and per KV element by precision.rollout (core/quant/modes.py):
-# int4 keeps the pushed fp32 weights (the built-in engine's landing buffers) beside int4 values
-# (0.5 B) and fp32 scales (4 B per 128); fp8 holds e4m3 values and one fp32 scale per 128 x 128.
+# An engine's bytes per parameter of its decoder layers and per KV element by precision.rollout
+# (core/quant/modes.py): int4 keeps the pushed fp32 weights (the built-in engine's landing
+# buffers) beside int4 values (0.5 B) and fp32 scales (4 B per 128); fp8 holds e4m3 values and
+# one fp32 scale per 128 x 128. Embeddings and the output head stay in the engine's dtype
+# (ENGINE_EMBEDDING_BYTES); the layers' norms and biases are counted with the layers (a few
+# thousandths of them).
 ENGINE_WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "int4": 4.0 + 0.5 + 4 / 128, "fp8": 1.0 + 4 / 128**2}
+ENGINE_EMBEDDING_BYTES = {"fp32": 4, "bf16": 2, "int4": 4, "fp8": 2}
 ENGINE_KV_BYTES = {"fp32": 4, "bf16": 2, "int4": 4, "fp8": 2}
 
 
@@ -166,13 +170,14 @@ def _activations(arch: Architecture, lay: TrainLayout, stage: int, layers: list[
 def engine_memory(arch: Architecture, tp: int, precision: str, max_batch: int, seq_tokens: int) -> list[MemoryItem]:
     """Memory of one device of an engine with tensor parallel `tp` (experts split over TP too),
     serving `precision` (a precision.rollout mode)."""
-    params = sum(sum(arch.layer_params(i, tp, 1, tp)) for i in range(arch.num_layers))
-    params += arch.embedding_params(tp) * (1 if arch.tied_embeddings else 2) + arch.hidden_size
-    pb = ENGINE_WEIGHT_BYTES[precision]
+    layers = sum(sum(arch.layer_params(i, tp, 1, tp)) for i in range(arch.num_layers))
+    embeddings = arch.embedding_params(tp) * (1 if arch.tied_embeddings else 2) + arch.hidden_size  # + final norm
+    pb, eb = ENGINE_WEIGHT_BYTES[precision], ENGINE_EMBEDDING_BYTES[precision]
     per_token = arch.kv_elements_per_token(tp) * ENGINE_KV_BYTES[precision]
     tokens = max_batch * seq_tokens
     kind = "MLA latent" if arch.is_mla else "K+V"
-    return [MemoryItem("engine weights", params * pb,
-                       f"{count_text(params)} params on the rank (engine TP {tp}) x {pb:.3g} B ({precision})"),
+    return [MemoryItem("engine weights", layers * pb + embeddings * eb,
+                       f"({count_text(layers)} layer x {pb:.3g} B + {count_text(embeddings)} embedding params x "
+                       f"{eb} B) on the rank (engine TP {tp}, {precision})"),
             MemoryItem("engine KV cache", tokens * per_token,
                        f"{max_batch} seqs x {seq_tokens} tokens x {per_token:,} B/token ({kind}, TP {tp})")]

@@ -104,7 +104,7 @@ def make_plan(recipe: Recipe) -> Plan:
     arch, source = resolve_architecture(recipe.model)
     lay, r = train_layout(recipe), roles(recipe)
     stage, trainer = _worst_stage(arch, lay)
-    precision = recipe.precision.rollout if r.device == "gpu" else "fp32"
+    precision = recipe.precision.rollout  # the built-in engine serves it on a CPU too (--dtype, --quantization)
     engine = engine_memory(arch, r.engine_tp, precision, recipe.rollout.max_batch_size, lay.seq_tokens)
     gpu_gb = recipe.cluster.gpu_memory_gb
     reserve = RESERVE_FRACTION * gpu_gb * GB if r.device == "gpu" else 0.0

@@ -110,6 +110,21 @@ def test_memory_of_qwen3_8b_matches_hand_computed_values() -> None:
         got[k] for k in ("weights", "grads", "optimizer", "activations", "logits")) + 0.08 * 141e9)
 
 
+@pytest.mark.parametrize("rollout,layer_bytes,embedding_bytes", [("bf16", 2, 2), ("fp8", 1 + 4 / 128**2, 2),
+                                                                  ("fp32", 4, 4)])
+def test_engine_weights_count_decoder_layers_in_the_rollout_format_and_embeddings_in_its_dtype(
+        rollout: str, layer_bytes: float, embedding_bytes: int) -> None:
+    """Qwen3-8B engines at TP 2: fp8 stores the decoder layers' weights as e4m3 with a float32
+    scale per 128 x 128 block; embeddings and the output layer stay in bf16."""
+    plan = make_plan(load_recipe(ROOT / "recipes" / "qwen3-8b-gsm8k.yaml",
+                                 [f"precision.rollout={rollout}", "rollout.engine=builtin"]))
+    h, inter, vocab, layers, tp = 4096, 12288, 151936, 36, 2
+    per_layer = 2 * h * 32 * 128 // tp + 2 * (8 // tp) * 128 * h + 2 * 128 + 2 * h + 3 * h * inter // tp
+    embeddings = 2 * vocab * h // tp + h
+    assert _items(plan)["engine weights"] == pytest.approx(layers * per_layer * layer_bytes
+                                                           + embeddings * embedding_bytes)
+
+
 def _refused(capsys, recipe: str, *overrides: str) -> str:
     args = ["plan", str(ROOT / "recipes" / recipe)] + [a for o in overrides for a in ("--set", o)]
     assert main(args) == 2
