@@ -33,6 +33,15 @@ def test_neither_package_imports_the_other(package: str, forbidden: str) -> None
     assert not crossing, f"core/{package}/ imports across the seam (use core/engine_wire.py): {sorted(crossing)}"
 
 
+def test_the_engine_process_loads_no_fleet_module() -> None:
+    """Transitively too: the engine imports the weight-sync wire formats, and that package's
+    transports (which drive engines through the fleet's client) load only when used."""
+    code = ("import sys, milepost.core.engine.server; "
+            "print(sorted(m for m in sys.modules if m.startswith('milepost.core.fleet')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
 def test_the_launcher_runs_the_module_that_serves() -> None:
     """The fleet names the built-in engine's module as a string; that module's parser is
     the engine's own (a rename would otherwise surface only when a fleet starts)."""
