@@ -192,7 +192,10 @@ def create_app(sched: Scheduler) -> FastAPI:
                 "accepts_push_id": True,  # /pause_generation and /continue_generation take `push_id`
                 "end_weight_update_abort": True,  # /end_weight_update takes `abort` (discards the session)
                 # /update_weights_from_tensor also takes milepost's shm descriptor (beside SGLang's pickle)
-                "tensor_formats": [SHM_FORMAT], "enable_lora": sched.lora.enabled,
+                # on a CPU, where it serves the trainer's host-memory files in place; on a GPU the
+                # trainer sends SGLang's format (CUDA IPC from a GPU trainer)
+                "tensor_formats": [SHM_FORMAT] if sched.device_type() == "cpu" else [],
+                "enable_lora": sched.lora.enabled,
                 "max_lora_rank": sched.lora.max_rank, "lora_target_modules": sched.lora.target_modules,
                 "quantization": sched.quantization}
 

@@ -383,6 +383,11 @@ class WeightReceiver:
         problem = self.problems(specs)
         if problem:
             raise UpdateRejected(problem)
+        devices = {str(self._target_map()[s["name"]][1].device) for s in specs} - {"cpu"}
+        if devices:  # served in place means host memory: the engine does not announce it there
+            raise UpdateRejected(f"milepost's shm format serves host memory in place and this engine's weights are on "
+                                 f"{', '.join(sorted(devices))}: send SGLang's format (its /server_info "
+                                 "tensor_formats does not list shm)")
         try:
             lease, buf = self._files.open(descriptor["shm_name"], descriptor["generation"])
         except LeaseError as exc:

@@ -165,6 +165,7 @@ def test_health_and_info(engine, router) -> None:
     server = httpx.get(f"{engine.base_url}/get_server_info", timeout=5).json()
     assert server["dp_size"] == 1 and server["tp_size"] == 1
     assert server["max_gloo_streams"] > 1  # the trainer may ask /init_weights_update_group for more
+    assert server["device"] == "cpu" and server["tensor_formats"] == ["milepost-shm-v1"]  # host memory: in place
     assert httpx.post(f"{router.url}/flush_cache", timeout=10).status_code == 200
 
 

@@ -134,3 +134,19 @@ def test_copy_all_copies_every_pair_converting_where_dtypes_differ() -> None:
     wire.copy_all(targets, sources)
     assert torch.equal(targets[0], sources[0]) and torch.equal(targets[2], sources[2])
     assert torch.equal(targets[1], sources[1].to(torch.bfloat16))
+
+
+def test_an_engine_whose_weights_are_not_in_host_memory_refuses_the_shm_format() -> None:
+    """Served in place means host memory; a GPU engine does not announce the format, and a
+    descriptor sent anyway is refused before any file is opened (meta tensors stand in for
+    weights on a device)."""
+    from types import SimpleNamespace
+
+    from milepost.core.engine.weight_receiver import UpdateRejected, WeightReceiver
+
+    model = torch.nn.Linear(4, 3).to("meta")
+    descriptor = {"format": wire.SHM_FORMAT, "shm_name": "milepost-w-0-0-0", "nbytes": 64, "generation": 1,
+                  "tensors": [{"name": "weight", "dtype": "float32", "shape": [3, 4], "offset": 64}]}
+    with pytest.raises(UpdateRejected, match=r"shm format serves host memory in place and this engine's weights "
+                                             r"are on meta: send SGLang's format"):
+        WeightReceiver(SimpleNamespace(model=model)).load_shm(descriptor)
