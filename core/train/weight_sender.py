@@ -106,7 +106,7 @@ class WeightSender:
     def __init__(self, module: torch.nn.Module, copy_threads: int | None = None,
                  weight_format: str | None = None) -> None:
         """`weight_format`: None sends the tensors as they are; "fp8" sends what
-        precision.rollout fp8 serves (`sent_tensors`)."""
+        precision.rollout fp8 serves (`sent_layout`)."""
         if weight_format not in (None, "fp8"):
             raise ValueError(f"weight_format {weight_format!r}: use None or fp8")
         self.module, self.weight_format = module, weight_format
