@@ -151,13 +151,19 @@ class ContinuousDriver:
     def _between_steps(self) -> bool:
         """The scheduler's step hook, and the graphs' check that weights did not move."""
         retract = self.sched._step_hook()
-        epoch = self.sched.receiver.epoch
-        if epoch != self._epoch:  # weight tensors were replaced, not copied into: recapture
-            self.gen.decoder.drop_graphs()
-            self._epoch = epoch
+        self._see_new_weights()
         return retract
 
+    def _see_new_weights(self) -> None:
+        epoch = self.sched.receiver.epoch
+        if epoch != self._epoch:  # weight tensors were replaced, not copied into: recapture, refuse
+            self.gen.decoder.drop_graphs()
+            self._epoch = epoch
+
     def _admit(self, free: int) -> list[Sequence]:
+        # also here: a weight update while idle is followed by an admission and its prefill,
+        # with no step in between (seen in CI: the prefill used the old fused weights)
+        self._see_new_weights()
         s = self.sched
         with s._cv:
             if free <= 0 or s._paused or s._updating:
