@@ -50,6 +50,7 @@ from milepost.core.quant.fp8 import (
     FP8_DTYPE,
     dequantize_fp8_blockwise,
     quantize_fp8_blockwise,
+    quantize_state_fp8,
     scale_name,
     served_in_fp8,
 )
@@ -148,13 +149,10 @@ def served_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict
     """A checkpoint's tensors (named as live) in the form `model` serves: an fp8 layer's weight
     given unquantised (the trainer's export) is quantised, as at load, and its scale added;
     one given in fp8 with its scale is taken as it is."""
-    out = dict(state)
-    for name, module in model.named_modules():
-        weight_name = f"{name}.weight"
-        if isinstance(module, Fp8Linear) and weight_name in out and out[weight_name].dtype != FP8_DTYPE \
-                and scale_name(weight_name) not in out:
-            out[weight_name], out[scale_name(weight_name)] = quantize_fp8_blockwise(out[weight_name])
-    return out
+    unquantised = {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, Fp8Linear)
+                   and f"{name}.weight" in state and state[f"{name}.weight"].dtype != FP8_DTYPE
+                   and scale_name(f"{name}.weight") not in state}
+    return quantize_state_fp8(state, unquantised)
 
 
 def load_model(path: str, device: torch.device, dtype: torch.dtype, quantization: str | None,

@@ -103,21 +103,14 @@ def train_problem(mode: str, backend: str, device: Device | None) -> str | None:
     return None
 
 
-def rollout_problem(mode: str, engine: str, device: Device | None) -> str | None:
-    """Why `precision.rollout` `mode` cannot be served on `device` (None: not known here), or None.
-    Every mode the schema allows runs on any device: the built-in engine's fp8 stores fp8
-    weights and computes in bf16 (core/engine/quantized.py), which needs no FP8 kernel."""
-    return None
-
-
 def check_precision(recipe: Recipe, probe: Callable[[], Device] | None) -> None:
     """Refuse (PrecisionError) a precision mode the run's devices cannot run. `probe` gives
     the device the stages run on (this machine's for the local executor), None when they run
     elsewhere (Slurm: what needs the device is refused either way for now)."""
     p = recipe.precision
-    device = probe() if probe is not None and "fp8" in (p.train, p.rollout) else None
-    problem = (train_problem(p.train, recipe.train.backend, device)
-               or rollout_problem(p.rollout, recipe.rollout.engine, device))
+    # every rollout mode the schema allows runs on any device (fp8: stored fp8, bf16 matmuls)
+    device = probe() if probe is not None and p.train == "fp8" else None
+    problem = train_problem(p.train, recipe.train.backend, device)
     if problem:
         raise PrecisionError(problem)
     if (p.train, p.rollout) not in MATCHED and recipe.algo.tis_cap is None:
