@@ -422,10 +422,11 @@ class PrecisionConfig(Section):
     rollout: RolloutPrecision = Field(
         "fp32", description="Engine weights: fp32, bf16 (--dtype float32 / bfloat16); int4 (built-in engine: "
                             "the pushed fp32 weights quantised with precision.train int4_qat's function, "
-                            "stored as int4 + scales, dequantised for each matmul); fp8 (built-in engine: "
-                            "Linear weights in block-wise e4m3 with 128 x 128 scales, SGLang's and DeepSeek-V3's "
-                            "format, "
-                            "quantised by the trainer on sync, dequantised to bf16 for each matmul).")
+                            "stored as int4 + scales, dequantised for each matmul); fp8 (Linear weights in "
+                            "block-wise e4m3 with 128 x 128 scales, SGLang's and DeepSeek-V3's format, quantised "
+                            "by the trainer on sync; the built-in engine dequantises them to bf16 for each "
+                            "matmul, SGLang engines launch and load from disk an fp8 copy of each folder and need "
+                            "each merged projection's part to be a multiple of 128 rows per rank).")
 
 
 class SyncConfig(Section):
@@ -670,8 +671,3 @@ class Recipe(Section):
             raise ValueError("precision.rollout int4 is served by the built-in engine only: SGLang serves int4 from a "
                              "compressed-tensors checkpoint, which weight sync does not send yet; set "
                              "rollout.engine=builtin or precision.rollout=bf16")
-        if p.rollout == "fp8" and self.rollout.engine != "builtin":
-            raise ValueError("precision.rollout fp8 is served by the built-in engine only for now: the trainer sends "
-                             "SGLang's block-wise fp8 format on sync, but SGLang loads it only into an engine started "
-                             "from an fp8 checkpoint, which milepost does not write yet; set rollout.engine=builtin "
-                             "or precision.rollout=bf16")

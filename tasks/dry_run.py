@@ -28,6 +28,7 @@ from milepost.core.fleet.launcher import (
 from milepost.core.fleet.router import router_command
 from milepost.core.model.moe import is_moe_model
 from milepost.core.placement import GROUP_NAME, Placement
+from milepost.core.quant.modes import disk_form
 from milepost.core.records import Stage, block_path, campaign_id
 from milepost.core.secrets import secret_path
 from milepost.tasks.context import ENGINE_ADMIN_KEY
@@ -114,6 +115,8 @@ def fleet_lines(recipe: Recipe, root: str, block: int = 0) -> list[str]:
     model = recipe.model.path
     if model.startswith("builtin:"):
         model = Deferred(f"{{{model} model, built and cached at first use}}")
+    if disk_form(r.engine, recipe.precision.rollout) == "fp8":  # SGLang loads fp8 copies (fp8_folder.py)
+        model = Deferred(f"{{{model.strip('{}')}: its block-wise fp8 copy, written at start under {root}/served}}")
     template = engine_command(r, model, "0", colocated=colocated, host=host, admin_key=True, lora=recipe.train.lora,
                               moe=is_moe_model(recipe.model.path), precision=recipe.precision.rollout)
     bundles = placement.bundles()

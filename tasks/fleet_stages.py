@@ -41,7 +41,8 @@ def start_engines(ctx: StageContext) -> dict[str, Any]:
     fleet = Fleet.start(serve_path, ctx.recipe.rollout.num_engines, ctx.recipe.rollout, version, host,
                         log_dir=str(log_dir), detached=True, on_change=ctx.write_fleet,
                         placement=placement_for(ctx.recipe, RANK_NUM_CPUS),
-                        admin_key_path=ctx.engine_admin_key_path(), lora=lora, precision=ctx.recipe.precision.rollout)
+                        admin_key_path=ctx.engine_admin_key_path(), lora=lora, precision=ctx.recipe.precision.rollout,
+                        served_dir=ctx.store.local_path("served"))
     try:
         if lora is not None and latest:
             from milepost.core.fleet.fleet import FleetTransport

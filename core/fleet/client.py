@@ -13,6 +13,7 @@ engines, so the key would travel with every /generate for nothing.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import httpx
@@ -60,9 +61,13 @@ class GenerationClient(Protocol):
 class EngineClient:
     """Sync client; every call has a timeout. Thread-safe (httpx.Client is)."""
 
-    def __init__(self, base_url: str, timeout_s: float = 300.0, admin_key: str | None = None) -> None:
+    def __init__(self, base_url: str, timeout_s: float = 300.0, admin_key: str | None = None,
+                 disk_form: Callable[[str], str] | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        # the folder this engine loads for an HF folder it is told to load (Fleet.disk_form):
+        # every disk load (disk push, restart, wake, restore) goes through update_weights_from_disk
+        self.disk_form = disk_form
         self._http = httpx.Client(timeout=timeout_s, headers=bearer_header(admin_key) if admin_key else None)
         self._server_info: dict[str, Any] | None = None  # asked once, for the extensions it announces
 
@@ -97,6 +102,8 @@ class EngineClient:
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
                                  flush_cache: bool = True, abort_all_requests: bool = False,
                                  timeout_s: float | None = None) -> dict[str, Any]:
+        if self.disk_form is not None:
+            model_path = self.disk_form(model_path)
         return self._control("/update_weights_from_disk", {
             "model_path": model_path, "load_format": None, "abort_all_requests": abort_all_requests,
             "weight_version": weight_version, "flush_cache": flush_cache}, timeout_s)

@@ -23,10 +23,12 @@ nor path.
 from __future__ import annotations
 
 import contextlib
+import json
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
@@ -36,11 +38,13 @@ from milepost.core.config import LoraConfig, RolloutConfig
 from milepost.core.engine_wire import read_key_file
 from milepost.core.fleet.actor import EngineActor, RouterActor
 from milepost.core.fleet.client import EngineClient
-from milepost.core.fleet.launcher import EngineCommand, engine_command, engine_gpus
+from milepost.core.fleet.launcher import EngineCommand, LaunchError, engine_command, engine_gpus
 from milepost.core.fleet.retrying import RetryingClient
 from milepost.core.fleet.router import Router
 from milepost.core.fleet.supervisor import FleetError, FleetSupervisor, Slot, stop_actors
 from milepost.core.placement import Placement, actor_strategy, ensure_group, find_group
+from milepost.core.quant.fp8_folder import fp8_folder, sglang_fp8_problem
+from milepost.core.quant.modes import disk_form
 from milepost.core.train.lora import is_adapter_folder
 from milepost.core.weight_sync.base import WeightSource
 from milepost.core.weight_sync.lora_push import ADAPTER_NAME, AdapterRequests, load_served
@@ -108,21 +112,25 @@ class Fleet:
         self.colocated = False  # engines share the trainer's devices: SGLang gets --enable-memory-saver
         self.lora: LoraConfig | None = None  # train.lora: engines take adapters; `served` may be one
         self.precision = "fp32"  # precision.rollout: the engines' --dtype / --quantization (core/quant/modes.py)
+        self.served_dir = f"{self.log_dir}/served"  # the forms of HF folders its engines load (disk_form)
 
     @classmethod
     def start(cls, model_path: str, num_engines: int, cfg: RolloutConfig, weight_version: str = "0",
               host: str | None = "127.0.0.1", *, load_delay_s: float = 0.0, log_dir: str | None = None,
               detached: bool = False, on_change: Callable[[dict[str, Any]], None] | None = None,
               placement: Placement | None = None, admin_key_path: str | None = None,
-              lora: LoraConfig | None = None, precision: str = "fp32") -> Fleet:
+              lora: LoraConfig | None = None, precision: str = "fp32", served_dir: str | None = None) -> Fleet:
         """Launch the engines, wait until each is healthy, start the router in front.
         `host` None: each engine and the router bind their node's IP (multi-node clusters).
         `load_delay_s` (tests only) makes every engine's cold start that much slower.
-        `admin_key_path`: a file with the engines' admin key (module docstring)."""
+        `admin_key_path`: a file with the engines' admin key (module docstring). `served_dir`:
+        where the folders its engines load in a form of their own are written (`disk_form`)."""
         fleet = cls(model_path, weight_version, cfg, host, log_dir, detached, on_change, admin_key_path)
         fleet.supervisor.load_delay_s = load_delay_s
         fleet.lora = lora  # engines launch from the base weights with LoRA on (lora_push.py)
         fleet.precision = precision
+        fleet.served_dir = served_dir or fleet.served_dir
+        fleet.check_disk_form()
         if placement is not None:
             fleet.colocated = placement.mode == "colocated"
             fleet.placement_group = ensure_group(placement)
@@ -156,6 +164,7 @@ class Fleet:
         fleet.served = (path, str(version))
         fleet.lora = LoraConfig(**doc["lora"]) if doc.get("lora") else None
         fleet.precision = doc.get("precision", "fp32")
+        fleet.served_dir = doc.get("served_dir") or fleet.served_dir
         if doc.get("engine_bundles") is not None:
             fleet.placement_group, fleet.engine_bundles = find_group(), list(doc["engine_bundles"])
             fleet.engine_gpu_requests = doc.get("engine_gpu_requests")
@@ -182,7 +191,29 @@ class Fleet:
 
     def engine_client(self, url: str) -> EngineClient:
         """A client of one engine of this fleet (it sends the admin key, if any)."""
-        return EngineClient(url, self.cfg.request_timeout_s, admin_key=self.admin_key)
+        return EngineClient(url, self.cfg.request_timeout_s, admin_key=self.admin_key, disk_form=self.disk_form)
+
+    def disk_form(self, path: str) -> str:
+        """The folder this fleet's engines load for the HF folder `path` (modes.disk_form): with
+        SGLang serving fp8, its block-wise fp8 copy, written once under `served_dir`
+        (core/quant/fp8_folder.py); else `path` itself. An adapter folder is always itself.
+        The base model's copy lives apart from the policies': pushes prune old copies, and a
+        restarted engine launches from the base's."""
+        if disk_form(self.cfg.engine, self.precision) != "fp8" or is_adapter_folder(path):
+            return path
+        return fp8_folder(path, f"{self.served_dir}/{'base' if path == self.base_model_path else 'policies'}")
+
+    def check_disk_form(self) -> None:
+        """Refuse (LaunchError) before any launch a model its engines cannot load in their form."""
+        if disk_form(self.cfg.engine, self.precision) != "fp8":
+            return
+        config = Path(self.base_model_path, "config.json")
+        if not config.is_file():
+            raise LaunchError(f"SGLang serving precision.rollout fp8 starts from a local HF folder, and "
+                              f"{self.base_model_path} has no config.json")
+        problem = sglang_fp8_problem(json.loads(config.read_text()), self.cfg.engine_tensor_parallel)
+        if problem:
+            raise LaunchError(problem)
 
     def _start_router(self) -> Router:
         if not self.detached:
@@ -242,7 +273,8 @@ class Fleet:
         """The launch template of this fleet's engines (core/fleet/launcher.py): what every
         engine actor resolves on its node and runs. It starts from the base weights; an
         engine admitted later loads `served` (FleetSupervisor._admit)."""
-        return engine_command(self.cfg, self.base_model_path, self.base_weight_version, colocated=self.colocated,
+        return engine_command(self.cfg, self.disk_form(self.base_model_path), self.base_weight_version,
+                              colocated=self.colocated,
                               host=self.host, admin_key=self.admin_key_path is not None, load_delay_s=load_delay_s,
                               lora=self.lora, precision=self.precision)
 
@@ -268,7 +300,8 @@ class Fleet:
                     "log_dir": self.log_dir, "host": self.host, "engine_bundles": self.engine_bundles,
                     "engine_gpu_requests": self.engine_gpu_requests,
                     "colocated": self.colocated, "base_model_path": self.base_model_path,
-                    "lora": self.lora.model_dump() if self.lora else None, "precision": self.precision}
+                    "lora": self.lora.model_dump() if self.lora else None, "precision": self.precision,
+                    "served_dir": self.served_dir}
 
     def _changed(self) -> None:
         if self.on_change is not None:

@@ -106,6 +106,18 @@ def validation_tokenizer(model_cfg: ModelConfig) -> tuple[Any, int | None] | Non
     return tokenizer, int(context) if isinstance(context, int) else None
 
 
+def model_hf_config(model_cfg: ModelConfig) -> dict[str, Any] | None:
+    """`model.path`'s config.json as a dict, cheaply: a dense builtin model's made without
+    building it, a local folder's read; None where that needs more (a remote copy, the MoE)."""
+    path = model_cfg.path
+    if path in ("builtin:tiny-arith", "builtin:gpu-arith"):
+        from milepost.core.model import tiny
+        sizes = model_cfg.gpu_arith if path == "builtin:gpu-arith" else model_cfg.tiny
+        return dict(tiny._model_config(sizes, tiny.build_tokenizer()).to_dict())
+    config = Path(path.removeprefix("file://"), "config.json")
+    return json.loads(config.read_text()) if not path.startswith("builtin:") and config.is_file() else None
+
+
 def resolve_model_path(model_cfg: ModelConfig, seed: int) -> str:
     """A local HF folder for `model.path`: builtin (built, cached), local, or an fsspec URL."""
     path = model_cfg.path

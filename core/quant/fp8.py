@@ -33,6 +33,7 @@ BLOCK = 128
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 SCALE_SUFFIX = "_scale_inv"
+UNQUANTISED = ("gate", "shared_expert_gate")  # Linears in a layer that pick or weigh experts
 QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                        "weight_block_size": [BLOCK, BLOCK]}
 
@@ -80,12 +81,13 @@ def block_scale_inv(w: Tensor) -> Tensor:
 def served_in_fp8(name: str, shape: Sequence[int]) -> bool:
     """Whether precision.rollout fp8 serves the tensor `name` (HF naming) in block-wise fp8:
     a 2-D `.weight` inside a decoder layer (`….layers.<i>.…`), except MoE routers
-    (`….gate.weight`: their outputs pick experts). Embeddings, the output head, norms and
+    (`….gate.weight`: their outputs pick experts) and Qwen2-MoE's shared-expert gate (SGLang
+    builds both unquantised). Embeddings, the output head, norms and
     biases stay in the engine's dtype. The rule goes by name so that both sides apply the
     same one: the trainer may hold HF-named tensors only (Megatron's gathered weights); the
     engine checks that each tensor it picks is an nn.Linear's weight."""
     parts = name.split(".")
-    return len(shape) == 2 and parts[-1] == "weight" and "layers" in parts[:-2] and parts[-2] != "gate"
+    return len(shape) == 2 and parts[-1] == "weight" and "layers" in parts[:-2] and parts[-2] not in UNQUANTISED
 
 
 def dequantize_fp8_blockwise(q: Tensor, scale_inv: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:

@@ -1,18 +1,18 @@
 """What each precision mode (`precision.train`, `precision.rollout`) runs on, what it asks of
 the engines, and the start-up refusal of a mode the device cannot run.
 
-| mode            | torch backend (trains on CPU)    | megatron backend                    | built-in engine        | SGLang engine       |
-| --------------- | -------------------------------- | ----------------------------------- | ---------------------- | ------------------- |
-| fp32            | yes                              | yes                                 | `--dtype float32`      | `--dtype float32`   |
-| bf16            | bf16 autocast, fp32 weights      | GPU: bf16 params, fp32 master (its  | `--dtype bfloat16`     | `--dtype bfloat16`  |
-|                 |                                  | optimizer); CPU: autocast           |                        |                     |
-| int4_qat / int4 | fake-quantised Linears (STE)     | refused (config.py): not built      | `--quantization int4`  | refused (config.py) |
-| fp8             | refused: not built               | bf16 + the transformer linears'     | `--dtype bfloat16      | refused (config.py) |
-|                 |                                  | GEMMs through torch._scaled_mm      | --quantization fp8`:   |                     |
-|                 |                                  | (megatron/fp8.py); CUDA cc >= 8.9,  | block-wise fp8 weights |                     |
-|                 |                                  | or CPU (emulated, slow: tests)      | (quantised on sync),   |                     |
-|                 |                                  |                                     | bf16 matmuls; any      |                     |
-|                 |                                  |                                     | device                 |                     |
+| mode            | torch backend (trains on CPU)    | megatron backend                    | built-in engine        | SGLang engine         |
+| --------------- | -------------------------------- | ----------------------------------- | ---------------------- | --------------------- |
+| fp32            | yes                              | yes                                 | `--dtype float32`      | `--dtype float32`     |
+| bf16            | bf16 autocast, fp32 weights      | GPU: bf16 params, fp32 master (its  | `--dtype bfloat16`     | `--dtype bfloat16`    |
+|                 |                                  | optimizer); CPU: autocast           |                        |                       |
+| int4_qat / int4 | fake-quantised Linears (STE)     | refused (config.py): not built      | `--quantization int4`  | refused (config.py)   |
+| fp8             | refused: not built               | bf16 + the transformer linears'     | `--dtype bfloat16      | the same flags, from  |
+|                 |                                  | GEMMs through torch._scaled_mm      | --quantization fp8`:   | an fp8 folder of the  |
+|                 |                                  | (megatron/fp8.py); CUDA cc >= 8.9,  | block-wise fp8 weights | weights (`disk_form`, |
+|                 |                                  | or CPU (emulated, slow: tests)      | (quantised on sync),   | fp8_folder.py); shape |
+|                 |                                  |                                     | bf16 matmuls; any      | rule: 128-row parts   |
+|                 |                                  |                                     | device                 |                       |
 
 fp8 training and fp8 rollout are not the same numbers (the trainer scales its GEMM inputs per
 row or tensor at each matmul, the engine stores weights with 128 x 128 block scales), so no
@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from milepost.core.config import Recipe
 from milepost.core.errors import UserError
+from milepost.core.quant.fp8_folder import sglang_fp8_problem
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +81,20 @@ def sent_weight_format(rollout: str) -> str | None:
 
 
 def engine_flags(rollout: str) -> dict[str, str]:
-    """Launch flags of an engine serving `precision.rollout` (SGLang's names)."""
+    """Launch flags of an engine serving `precision.rollout` (SGLang's names). SGLang takes
+    `--quantization fp8` with an fp8-serialised folder (`disk_form`); int4 on SGLang is
+    refused by the schema."""
     flags = {"dtype": ENGINE_DTYPE[rollout]}
     if rollout in ("int4", "fp8"):
-        flags["quantization"] = rollout  # the built-in engine's; SGLang + either is refused by the schema
+        flags["quantization"] = rollout
     return flags
+
+
+def disk_form(engine: str, rollout: str) -> str | None:
+    """What form of an HF folder an engine serving `precision.rollout` loads from disk: "fp8"
+    (SGLang serving fp8 loads only fp8-serialised folders: core/quant/fp8_folder.py) or None
+    (the folder as the trainer wrote it; the built-in engine quantises it itself)."""
+    return "fp8" if engine == "sglang" and rollout == "fp8" else None
 
 
 def train_problem(mode: str, backend: str, device: Device | None) -> str | None:
@@ -110,9 +120,20 @@ def check_precision(recipe: Recipe, probe: Callable[[], Device] | None) -> None:
     p = recipe.precision
     # every rollout mode the schema allows runs on any device (fp8: stored fp8, bf16 matmuls)
     device = probe() if probe is not None and p.train == "fp8" else None
-    problem = train_problem(p.train, recipe.train.backend, device)
+    problem = train_problem(p.train, recipe.train.backend, device) or served_problem(recipe)
     if problem:
         raise PrecisionError(problem)
     if (p.train, p.rollout) not in MATCHED and recipe.algo.tis_cap is None:
         log.warning("precision.train %s and precision.rollout %s compute different logprobs, and algo.tis_cap is "
                     "null: nothing corrects for the gap (set algo.tis_cap, e.g. 2.0)", p.train, p.rollout)
+
+
+def served_problem(recipe: Recipe) -> str | None:
+    """Why the rollout engines cannot serve recipe.model in precision.rollout's form, where its
+    config is known before it is built or copied (a model known only then is checked when its
+    fleet starts: Fleet.check_disk_form)."""
+    if disk_form(recipe.rollout.engine, recipe.precision.rollout) != "fp8":
+        return None
+    from milepost.core.model.loading import model_hf_config
+    config = model_hf_config(recipe.model)
+    return None if config is None else sglang_fp8_problem(config, recipe.rollout.engine_tensor_parallel)

@@ -22,7 +22,9 @@ from tinymodels import engine_samples, served_weight, start_engines, stop_engine
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from milepost.core.config import AlgoConfig, RolloutConfig, TrainConfig
-from milepost.core.fleet.launcher import engine_command
+from milepost.core.fleet.client import EngineClient
+from milepost.core.fleet.fleet import Fleet
+from milepost.core.fleet.launcher import LaunchError, engine_command
 from milepost.core.quant.fp8 import dequantize_fp8_blockwise, quantize_fp8_blockwise, served_in_fp8
 from milepost.core.quant.modes import sent_weight_format
 from milepost.core.train.torch_backend import TorchBackend
@@ -31,9 +33,9 @@ from milepost.core.weight_sync import WeightSyncError, build_transport
 PROMPTS = [[3, 4, 5], [7, 8, 9, 10], [11, 12], [13, 14, 15, 16, 17]]
 
 
-def _model(path: str) -> None:
+def _model(path: str, seed: int = 0) -> None:
     """A 2-layer Qwen2, hidden 128, intermediate 320 (ragged 128 x 128 blocks), tied head."""
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     Qwen2ForCausalLM(Qwen2Config(vocab_size=48, hidden_size=128, intermediate_size=320, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
                                  max_position_embeddings=128, eos_token_id=1, pad_token_id=0)).save_pretrained(path)
@@ -103,8 +105,49 @@ def test_a_trainer_sending_unquantised_weights_to_an_fp8_engine_is_refused_by_na
                                                   r"from a trainer with precision.rollout fp8"):
             _push("tensor", client, backend, "", "1")
         assert client.model_info()["weight_version"] != "1"  # nothing half-loaded: the push was refused whole
-        assert len(client.generate([PROMPTS[0]], [{"max_new_tokens": 2}])[0]["output_ids"]) == 2  # still serving
+        reply = client.generate([PROMPTS[0]], [{"max_new_tokens": 2, "ignore_eos": True}])
+        assert len(reply[0]["output_ids"]) == 2  # still serving
     finally:
         backend.shutdown()
         stop_engines(engines)
         ray.shutdown()
+
+
+def test_sglang_fp8_fleets_hand_engines_the_fp8_copy_of_every_folder_and_it_serves_the_same_bits(tmp_path) -> None:
+    """A fleet of SGLang engines serving fp8 gives every disk load the block-wise fp8 copy of
+    the folder (Fleet.disk_form through its engine clients: disk pushes, restarts, wakes,
+    restores) and launches from the base model's copy. SGLang cannot run here, so the copy is
+    loaded by a real built-in fp8 engine over HTTP, which takes fp8 tensors as they are: it
+    then serves exactly what a second engine serves after quantising the unquantised folder
+    itself, tensor by tensor."""
+    base, trained = str(tmp_path / "model"), str(tmp_path / "trained")
+    _model(base)
+    _model(trained, seed=1)  # the next policy: same shapes, other weights
+    fleet = Fleet(base, "0", RolloutConfig(engine="sglang"), "127.0.0.1", str(tmp_path / "logs"))
+    fleet.precision = "fp8"
+    argv = fleet.engine_command().argv()
+    launch = argv[argv.index("--model-path") + 1]
+    assert launch.startswith(f"{tmp_path}/logs/served/base/model-fp8-") and launch == fleet.disk_form(base)
+    flags = argv[argv.index("--dtype"):argv.index("--weight-version")]
+    assert flags == ["--dtype", "bfloat16", "--quantization", "fp8"]
+    with pytest.raises(LaunchError, match=r"k/v projection \(num_key_value_heads x head_dim\) is 64"):
+        fleet.check_disk_form()  # hidden 128 / 4 heads: SGLang could not block it (builtin serves it)
+    engines = start_engines(base, tmp_path, 2, "--dtype", "bfloat16", "--quantization", "fp8")
+    try:
+        url, own_url = engines[0][1].base_url, engines[1][1].base_url
+        mapped = EngineClient(url, timeout_s=60, disk_form=fleet.disk_form)  # what Fleet.engine_client builds
+        assert mapped.update_weights_from_disk(trained, weight_version="1")["success"]
+        assert engines[1][1].update_weights_from_disk(trained, weight_version="1")["success"]
+        copy = mapped.model_info()["model_path"]
+        assert copy == fleet.disk_form(trained) and copy.startswith(f"{tmp_path}/logs/served/policies/trained-fp8-")
+        names = [n for n, _ in Qwen2ForCausalLM.from_pretrained(trained).named_parameters()]
+        for name in names:
+            assert torch.equal(served_weight(url, name), served_weight(own_url, name)), name
+        q = "model.layers.0.self_attn.q_proj.weight"
+        assert not torch.equal(served_weight(url, q), dequantize_fp8_blockwise(*quantize_fp8_blockwise(
+            Qwen2ForCausalLM.from_pretrained(base).state_dict()[q])))  # the new policy, not the base
+        for client in (mapped, engines[1][1]):  # both still serve
+            reply = client.generate([PROMPTS[0]], [{"max_new_tokens": 2, "ignore_eos": True}])
+            assert len(reply[0]["output_ids"]) == 2
+    finally:
+        stop_engines(engines)

@@ -46,6 +46,8 @@ def _tiny(seed: int) -> Qwen2ForCausalLM:
     ("model.layers.11.mlp.down_proj.weight", (128, 320), True),
     ("model.layers.3.mlp.experts.7.gate_proj.weight", (64, 128), True),  # an expert's Linear
     ("model.layers.3.mlp.gate.weight", (8, 128), False),  # the MoE router picks experts
+    ("model.layers.3.mlp.shared_expert_gate.weight", (1, 128), False),  # Qwen2-MoE: SGLang keeps it unquantised
+    ("model.layers.3.mlp.shared_expert.up_proj.weight", (256, 128), True),
     ("model.layers.0.self_attn.q_proj.bias", (128,), False),
     ("model.layers.0.input_layernorm.weight", (128,), False),
     ("model.embed_tokens.weight", (40, 128), False),

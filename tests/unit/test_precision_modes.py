@@ -35,8 +35,6 @@ def test_both_modes_default_to_fp32_and_the_old_train_precision_names_its_new_pl
     (["precision.rollout=int4", "rollout.engine=sglang"],
      r"precision.rollout int4 is served by the built-in engine only.*set rollout.engine=builtin"),
     (["precision.train=int4_qat", "train.lora.rank=4"], r"with train.lora is not supported yet.*remove train.lora"),
-    (["precision.rollout=fp8", "rollout.engine=sglang"],
-     r"precision.rollout fp8 is served by the built-in engine only for now.*set rollout.engine=builtin"),
     (["precision.rollout=fp8", "train.lora.rank=4"], r"with train.lora is not supported yet.*remove train.lora"),
 ])
 def test_combinations_no_device_runs_are_refused_by_the_schema(overrides, needle) -> None:
