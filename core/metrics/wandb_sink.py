@@ -1,6 +1,6 @@
 """Weights & Biases sink: one W&B run per campaign, offline, through W&B's own client.
 
-Offline only: runs are written under `<campaign>/metrics/wandb/wandb/offline-run-*-<id>/`,
+Offline only: runs are written under `<campaign>/metrics/wandb/wandb/offline-run-*-<id>[-n]/`,
 one such folder (segment) per stage process that wrote, all with the same run id (a hash of
 the campaign URL, `resume="allow"`), so `wandb sync` uploads them into one run. The API key
 (`WANDB_API_KEY`) is only needed by `wandb sync` and comes from the environment.
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -41,13 +42,18 @@ class WandbSink:
         self._run: Any = None  # opened at the first write: a stage with nothing new adds no segment
 
     def segments(self) -> list[Path]:
-        """This campaign's run files, oldest first (`latest-run` is a link to one of them)."""
+        """This campaign's run files, oldest first (`latest-run` is a link to one of them).
+        W&B names a segment's folder `offline-run-<YYYYmmdd_HHMMSS>-<id>`, and a second one
+        opened within the same second `…-<id>-1` (then -2, …)."""
         base = self.root / "wandb"
         if not base.is_dir():
             return []
-        return sorted(p / f"run-{self.run_id}.wandb" for p in base.iterdir()
-                      if p.name.endswith(f"-{self.run_id}") and not p.is_symlink()
-                      and (p / f"run-{self.run_id}.wandb").is_file())
+        name = re.compile(rf"offline-run-(\d{{8}}_\d{{6}})-{re.escape(self.run_id)}(?:-(\d+))?")
+        folders = [(m, p) for p in base.iterdir() if (m := name.fullmatch(p.name)) and not p.is_symlink()
+                   and (p / f"run-{self.run_id}.wandb").is_file()]
+        # oldest first: by the second the segment opened, then by W&B's suffix within it
+        folders.sort(key=lambda mp: (mp[0].group(1), int(mp[0].group(2) or 0)))
+        return [p / f"run-{self.run_id}.wandb" for _, p in folders]
 
     def held(self) -> Held:
         cache_path = self.root / CACHE

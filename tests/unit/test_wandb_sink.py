@@ -54,6 +54,23 @@ def test_wandb_sink_reopened_writes_each_step_once_into_one_run(tmp_path: Path) 
     assert SinkSet([_sink(tmp_path)]).publish(_rows(1, 5)) == {"wandb": 0}  # from the cache, same answer
 
 
+def test_a_segment_opened_within_the_same_second_as_another_is_read_back(tmp_path: Path) -> None:
+    """W&B names a second segment opened within the same second `offline-run-<second>-<id>-1`;
+    its steps count as held (a SIGKILLed stage retried at once made one; CI saw it)."""
+    first = SinkSet([_sink(tmp_path)])
+    first.publish(_rows(1, 2))
+    first.close()
+    (segment,) = _sink(tmp_path).segments()
+    later = segment.parent.with_name(segment.parent.name + "-1")
+    segment.parent.rename(later)  # a real segment under W&B's same-second name
+    second = SinkSet([_sink(tmp_path)])
+    assert second.publish(_rows(1, 3)) == {"wandb": 2}  # steps 1-2 held in the "-1" folder
+    second.close()
+    sink = _sink(tmp_path)
+    assert len(sink.segments()) == 2 and sink.segments()[0].parent == later  # oldest first
+    assert _steps_per_tag(sink) == {tag: [1, 2, 3] for tag in TAGS}
+
+
 def test_a_sigkilled_writer_loses_nothing_and_repeats_nothing(tmp_path: Path) -> None:
     # A stage process that published steps 1-3 and was SIGKILLed before closing its run.
     script = textwrap.dedent(f"""
