@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -41,6 +42,7 @@ from milepost.core.quant.fp8 import BLOCK, QUANTIZATION_CONFIG, quantize_state_f
 
 INDEX = "model.safetensors.index.json"
 KEEP = 3
+STALE_S = 3600.0  # a temporary folder untouched this long was left by a killed writer
 
 
 class Fp8FolderError(ValueError):
@@ -108,9 +110,15 @@ def _source_key(source: Path) -> str:
 
 
 def _prune(parent: Path, keep: int, current: Path) -> None:
-    """Remove all but the newest `keep` copies (`current` always stays) and stale temp folders."""
-    copies = sorted((p for p in parent.iterdir() if p.is_dir() and "-fp8-" in p.name and not p.name.startswith(".")),
-                    key=lambda p: p.stat().st_mtime_ns, reverse=True)
+    """Remove all but the newest `keep` copies (`current` always stays), and temporary folders
+    a killed writer left (untouched for STALE_S: a live writer's is younger)."""
+    copies, now = [], time.time()
+    for p in parent.iterdir():
+        if p.is_dir() and p.name.startswith(".") and ".tmp-" in p.name and now - p.stat().st_mtime > STALE_S:
+            shutil.rmtree(p, ignore_errors=True)
+        elif p.is_dir() and "-fp8-" in p.name and not p.name.startswith("."):
+            copies.append(p)
+    copies.sort(key=lambda p: p.stat().st_mtime_ns, reverse=True)
     for old in copies[keep:]:
         if old != current:
             shutil.rmtree(old, ignore_errors=True)

@@ -102,9 +102,11 @@ def test_copies_are_written_once_per_source_content_and_only_the_newest_are_kept
     stamp = os.stat(Path(first, "model.safetensors")).st_mtime_ns
     assert fp8_folder(str(sources[0]), str(served), keep=2) == first  # written once
     assert os.stat(Path(first, "model.safetensors")).st_mtime_ns == stamp
-    (served / ".step9-fp8-0.tmp-dead").mkdir()  # a killed writer's leftover is no copy
+    (served / ".step9-fp8-0.tmp-dead").mkdir()  # a killed writer's leftover is no copy...
+    os.utime(served / ".step9-fp8-0.tmp-dead", (0, 0))  # ...and is removed once stale
+    (served / ".step8-fp8-0.tmp-live").mkdir()  # a live writer's stays
     later = [fp8_folder(str(s), str(served), keep=2) for s in sources[1:]]
-    assert sorted(p.name for p in served.iterdir() if not p.name.startswith(".")) == sorted(Path(p).name for p in later)
+    assert sorted(p.name for p in served.iterdir()) == sorted([".step8-fp8-0.tmp-live", *(Path(p).name for p in later)])
     _save(sources[2], hidden=128, intermediate=128)  # rewritten in place: a new copy
     os.utime(sources[2] / "model.safetensors", ns=(1, 1))
     assert fp8_folder(str(sources[2]), str(served), keep=2) != later[1]
