@@ -5,6 +5,7 @@
 #   call 2 (carry .loop-b .gpu-wheels):  source bench/device_loop_env.sh b && python3 bench/...
 # .loop-a: ray 2.60.0 (cp312, ray/jars removed), megatron-core 0.16.1 (cp312).
 # .loop-b: sglang-router 0.3.2 and the small packages Ray, the router and milepost import.
+# `bash bench/device_wheels.sh` (here, with network) fills both, and .gpu-wheels.
 part=${1:?a or b}
 if [ "$part" = a ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
