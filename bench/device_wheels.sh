@@ -8,8 +8,8 @@
 # extras), is listed below. A call carries at most 64 MiB, so Ray (its Java jars, unused by
 # Python, removed) and megatron-core travel in one call and the rest in the next:
 #   .loop-a       ray 2.60.0, megatron-core 0.16.1           (bench/device_loop_env.sh a)
-#   .gpu-wheels   pydantic and its compiled core, msgspec, …  (with part a)
-#   .loop-b       sglang-router and the web stack             (bench/device_loop_env.sh b)
+#   .gpu-wheels   pydantic, the engine's web stack, msgspec…  (part a; alone: bench/device_env.sh)
+#   .loop-b       sglang-router and what Ray and it import    (bench/device_loop_env.sh b)
 #   .fp8-wheels   megatron-core alone (bench/fp8_training.py, tests/gpu/test_fp8_linear_gpu.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,9 +29,8 @@ for wheel in .loop-a/ray-*.whl; do  # drop ray/jars (Java, ~34 MB): the call's 6
   zip -q -d "$wheel" 'ray/jars/*' || [ $? -eq 12 ]  # 12: nothing left to remove (run before)
 done
 fetch .gpu-wheels pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
-    msgspec==0.23.0 submitit==1.5.4
-fetch .loop-b sglang-router==0.3.2 fastapi==0.136.3 starlette==1.10.0 uvicorn==0.55.0 orjson==3.13.0 \
-    setproctitle==1.3.8 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 \
-    rpds-py==2026.9.1
+    fastapi==0.136.3 starlette==1.10.0 uvicorn==0.55.0 msgspec==0.23.0 submitit==1.5.4
+fetch .loop-b sglang-router==0.3.2 orjson==3.13.0 setproctitle==1.3.8 jsonschema==4.26.0 \
+    jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
 fetch .fp8-wheels megatron-core==0.16.1
 du -sh .loop-a .gpu-wheels .loop-b .fp8-wheels
