@@ -22,7 +22,8 @@ what had to be worked around (nothing else is stubbed or changed):
   an empty `MultimodalProcessorOutput` struct (only in annotations of scheduler-side
   requests, never built here).
 
-Real SGLang code used as the oracle: `init_custom_process_group` and
+Real SGLang code used as the oracle: `Fp8LinearMethod.validate_block_quant_shapes` (taken
+from its module's source and run alone: `fp8_block_check`), `init_custom_process_group` and
 `MultiprocessingSerializer` (srt/utils/common.py), `FlattenedTensorBucket`
 (srt/weight_sync/tensor_bucket.py), the request classes of srt/managers/io_struct.py
 validated exactly as the HTTP server does (pydantic, FastAPI's Body), and
@@ -38,6 +39,7 @@ import importlib
 import importlib.util
 import sys
 import types
+from pathlib import Path
 from typing import Any, Literal, Union
 
 SGLANG_VERSION = "0.5.23"
@@ -76,6 +78,25 @@ def load_weight_pieces() -> types.SimpleNamespace:
     return types.SimpleNamespace(MultiprocessingSerializer=MultiprocessingSerializer,
                                  FlattenedTensorBucket=FlattenedTensorBucket,
                                  monkey_patch_torch_reductions=monkey_patch_torch_reductions)
+
+
+def fp8_block_check() -> Any:
+    """SGLang's own `Fp8LinearMethod.validate_block_quant_shapes` (srt/layers/quantization/fp8.py),
+    the rule its block-wise fp8 linears impose on their shapes. The module imports triton
+    kernels, so the function is taken from the wheel's source (ast) and run alone: its body
+    uses its arguments, `print_warning_once` (only when the check is skipped) and nothing else."""
+    import ast
+    _check_installed()
+    spec = importlib.util.find_spec("sglang")
+    assert spec is not None and spec.submodule_search_locations
+    path = Path(next(iter(spec.submodule_search_locations)), "srt/layers/quantization/fp8.py")
+    tree = ast.parse(path.read_text())
+    method = next(f for c in tree.body if isinstance(c, ast.ClassDef) and c.name == "Fp8LinearMethod"
+                  for f in c.body if isinstance(f, ast.FunctionDef) and f.name == "validate_block_quant_shapes")
+    method.decorator_list = []
+    namespace: dict[str, Any] = {"List": list, "print_warning_once": print}
+    exec(compile(ast.Module(body=[method], type_ignores=[]), str(path), "exec"), namespace)  # the wheel's own code
+    return namespace["validate_block_quant_shapes"]
 
 
 def _check_installed() -> None:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -279,3 +280,52 @@ def test_the_engine_loads_a_payload_serialized_by_sglang_itself(sgl, engine) -> 
         client.end_weight_update()
     assert client.model_info()["weight_version"] == "tensor-v1"
     assert client.generate([[3, 4, 5]], greedy)[0]["output_ids"] == want
+
+
+# ---- precision.rollout fp8: the block rule, SGLang's own check against milepost's ----
+
+def _sglang_linears(config: dict[str, int], tp: int) -> list[dict[str, Any]]:
+    """The arguments SGLang's fp8 linears pass to validate_block_quant_shapes for one decoder
+    layer of a dense Qwen-style model on `tp` ranks (srt/layers/linear.py: QKVParallelLinear and
+    MergedColumnParallelLinear split each part over the ranks, k/v heads replicated when there
+    are fewer than ranks; RowParallelLinear splits its input)."""
+    heads, kv_heads, hidden = config["num_attention_heads"], config["num_key_value_heads"], config["hidden_size"]
+    head_dim, inter = config.get("head_dim", hidden // heads), config["intermediate_size"]
+    q, kv = heads // tp * head_dim, max(1, kv_heads // tp) * head_dim
+    column = [("qkv_proj", hidden, [q, kv, kv]), ("gate_up_proj", hidden, [inter // tp, inter // tp])]
+    row = [("o_proj", heads * head_dim, hidden), ("down_proj", inter, hidden)]
+    return ([dict(name=n, input_size=i, input_size_per_partition=i, output_size=sum(parts) * tp,
+                  output_size_per_partition=sum(parts), output_partition_sizes=parts) for n, i, parts in column]
+            + [dict(name=n, input_size=i, input_size_per_partition=i // tp, output_size=o,
+                    output_size_per_partition=o, output_partition_sizes=[o]) for n, i, o in row])
+
+
+FP8_SHAPES = [
+    {"hidden_size": 896, "num_attention_heads": 14, "num_key_value_heads": 2, "intermediate_size": 4864},  # 0.5B
+    {"hidden_size": 2048, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+     "intermediate_size": 6144},  # Qwen3-1.7B
+    {"hidden_size": 768, "num_attention_heads": 12, "num_key_value_heads": 4, "intermediate_size": 2048},  # gpu-arith
+    {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 256},  # tiny-arith
+    {"hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 8, "intermediate_size": 2816},
+]
+
+
+# heads that do not split over the ranks are refused by SGLang for any precision: not fp8's case
+@pytest.mark.parametrize("config,tp", [(c, tp) for c in FP8_SHAPES for tp in (1, 2, 4)
+                                       if c["num_attention_heads"] % tp == 0])
+def test_milepost_refuses_exactly_the_fp8_shapes_sglangs_own_check_refuses(config, tp) -> None:
+    """core/quant/fp8_folder.sglang_fp8_problem against SGLang's validate_block_quant_shapes,
+    run on the partition sizes of each of a layer's four fp8 linears."""
+    from milepost.core.quant.fp8_folder import sglang_fp8_problem
+    check = sglang_oracle.fp8_block_check()
+    quant = types.SimpleNamespace(weight_block_size=[128, 128])
+    refused = []
+    for linear in _sglang_linears(config, tp):
+        layer = types.SimpleNamespace(tp_group=types.SimpleNamespace(world_size=tp) if tp > 1 else None)
+        try:
+            check(layer, quant, linear["input_size"], linear["input_size_per_partition"], linear["output_size"],
+                  linear["output_size_per_partition"], linear["output_partition_sizes"], False)
+        except ValueError:
+            refused.append(linear["name"])
+    problem = sglang_fp8_problem(config, tp)
+    assert (problem is not None) == bool(refused), (refused, problem)
