@@ -668,6 +668,10 @@ class Recipe(Section):
                              "supported yet (the adapter would sit on quantised base weights); remove train.lora "
                              "or use fp32 / bf16")
         if p.rollout == "int4" and self.rollout.engine != "builtin":
-            raise ValueError("precision.rollout int4 is served by the built-in engine only: SGLang serves int4 from a "
-                             "compressed-tensors checkpoint, which weight sync does not send yet; set "
-                             "rollout.engine=builtin or precision.rollout=bf16")
+            # sglang 0.5.23, layers/quantization/compressed_tensors/schemes/compressed_tensors_wNa16.py:
+            # process_weights_after_loading repacks for Marlin; restore_weights_before_loading is the no-op
+            raise ValueError("precision.rollout int4 is served by the built-in engine only: SGLang serves int4 "
+                             "linears through compressed-tensors W4A16, which repacks them for its Marlin kernel "
+                             "after loading and does not undo that before a reload, so weights pushed each step "
+                             "would land in the wrong layout; set rollout.engine=builtin or precision.rollout=bf16 "
+                             "(or fp8, which SGLang reloads)")
