@@ -36,6 +36,7 @@ Run as a script, it is an engine's side of the weight-update group built by SGLa
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import importlib.util
 import sys
 import types
@@ -87,9 +88,7 @@ def fp8_block_check() -> Any:
     uses its arguments, `print_warning_once` (only when the check is skipped) and nothing else."""
     import ast
     _check_installed()
-    spec = importlib.util.find_spec("sglang")
-    assert spec is not None and spec.submodule_search_locations
-    path = Path(next(iter(spec.submodule_search_locations)), "srt/layers/quantization/fp8.py")
+    path = Path(_package_spec().submodule_search_locations[0], "srt/layers/quantization/fp8.py")
     tree = ast.parse(path.read_text())
     method = next(f for c in tree.body if isinstance(c, ast.ClassDef) and c.name == "Fp8LinearMethod"
                   for f in c.body if isinstance(f, ast.FunctionDef) and f.name == "validate_block_quant_shapes")
@@ -97,6 +96,16 @@ def fp8_block_check() -> Any:
     namespace: dict[str, Any] = {"List": list, "print_warning_once": print}
     exec(compile(ast.Module(body=[method], type_ignores=[]), str(path), "exec"), namespace)  # the wheel's own code
     return namespace["validate_block_quant_shapes"]
+
+
+def _package_spec() -> importlib.machinery.ModuleSpec:
+    """The installed package's spec, found without running sglang/__init__.py, whether or not
+    an earlier test put this module's bare stand-in for the package in sys.modules."""
+    loaded = sys.modules.get("sglang")
+    spec = loaded.__spec__ if loaded is not None and loaded.__spec__ is not None \
+        else importlib.machinery.PathFinder.find_spec("sglang")
+    assert spec is not None and spec.submodule_search_locations, "sglang is not an installed package"
+    return spec
 
 
 def _check_installed() -> None:
@@ -119,12 +128,11 @@ def _import_pieces() -> None:
 def _import_common() -> None:
     if "sglang.srt.utils.common" in sys.modules:
         return
-    spec = importlib.util.find_spec("sglang")  # a top-level spec runs no code
-    assert spec is not None and spec.submodule_search_locations
+    spec = _package_spec()
     if "sglang" not in sys.modules:
         pkg = types.ModuleType("sglang")
         pkg.__path__ = list(spec.submodule_search_locations)
-        pkg.__file__ = spec.origin
+        pkg.__file__, pkg.__spec__ = spec.origin, spec  # find_spec("sglang") reads __spec__ from here on
         sys.modules["sglang"] = pkg  # sglang/__init__.py is not run (module docstring)
     # import these first, while no triton stub exists, so they see the truth
     import torch._dynamo  # noqa: F401

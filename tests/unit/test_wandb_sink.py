@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -61,14 +62,29 @@ def test_a_segment_opened_within_the_same_second_as_another_is_read_back(tmp_pat
     first.publish(_rows(1, 2))
     first.close()
     (segment,) = _sink(tmp_path).segments()
-    later = segment.parent.with_name(segment.parent.name + "-1")
-    segment.parent.rename(later)  # a real segment under W&B's same-second name
+    # a real segment under W&B's same-second name, an hour back, so the next segment is later
+    opened = datetime.strptime(segment.parent.name.split("-")[2], "%Y%m%d_%H%M%S") - timedelta(hours=1)
+    renamed = segment.parent.with_name(f"offline-run-{opened:%Y%m%d_%H%M%S}-c0ffee-1")
+    segment.parent.rename(renamed)
     second = SinkSet([_sink(tmp_path)])
     assert second.publish(_rows(1, 3)) == {"wandb": 2}  # steps 1-2 held in the "-1" folder
     second.close()
     sink = _sink(tmp_path)
-    assert len(sink.segments()) == 2 and sink.segments()[0].parent == later  # oldest first
+    assert len(sink.segments()) == 2 and sink.segments()[0].parent == renamed  # oldest first
     assert _steps_per_tag(sink) == {tag: [1, 2, 3] for tag in TAGS}
+
+
+def test_segments_are_ordered_by_second_then_by_w_and_bs_suffix(tmp_path: Path) -> None:
+    names = ["offline-run-20261205_100625-c0ffee-2", "offline-run-20261205_100625-c0ffee",
+             "offline-run-20261205_100624-c0ffee-1", "offline-run-20261205_100625-c0ffee-10",
+             "offline-run-20261205_100625-c0ffee-1", "offline-run-20261205_100625-beef"]
+    for name in names:
+        (tmp_path / "wandb" / name).mkdir(parents=True)
+        (tmp_path / "wandb" / name / f"run-{name.split('-')[3]}.wandb").touch()
+    assert [p.parent.name for p in _sink(tmp_path).segments()] == [
+        "offline-run-20261205_100624-c0ffee-1", "offline-run-20261205_100625-c0ffee",
+        "offline-run-20261205_100625-c0ffee-1", "offline-run-20261205_100625-c0ffee-2",
+        "offline-run-20261205_100625-c0ffee-10"]
 
 
 def test_a_sigkilled_writer_loses_nothing_and_repeats_nothing(tmp_path: Path) -> None:
