@@ -1,13 +1,19 @@
-"""Colocated weight sync on one GPU by CUDA IPC (SGLang's tensor payload) vs a device copy.
+"""Colocated weight sync on one GPU by CUDA IPC vs a device copy: SGLang's payload and
+milepost's CUDA format (mapped once), measured side by side in one run.
 
-Two processes on one GPU, as a colocated trainer and engine: the trainer copies its
-weights bucket by bucket into a reused CUDA buffer and sends SGLang's pickled
-flattened-bucket payload (sglang_wire.encode: an IPC handle, the device by UUID) over a
-pipe; the engine decodes it through milepost's allow-list (sglang_wire.decode) and copies
-each tensor into its own weights, then answers. Measured side by side in one run: one push
-of every weight that way, and one device-to-device copy of the same bytes in one process
-(the floor the push is measured against: the push itself copies the bytes twice). No HTTP:
-this measures the payload's mechanism (handles, pickling, two copies), not a server.
+Two processes on one GPU, as a colocated trainer and engine, talking over a pipe (no HTTP:
+this measures the payload's mechanism, not a server; bench/weight_sync.py and
+tests/gpu/test_cuda_buffers_gpu.py run the whole push over HTTP). Rows:
+- SGLang's format (sglang_wire): the trainer copies its weights bucket by bucket into a reused
+  CUDA buffer and pickles a flattened-bucket payload (a fresh IPC handle and event); the
+  engine decodes it through milepost's allow-list and copies each tensor into its own
+  weights. Once with the engine opening each handle (as SGLang does), once keeping it.
+- milepost's CUDA format (cuda_buffers), through the trainer's real sender
+  (WeightSender.to_cuda) and the engine's real reading (decode_descriptor, MappedStorages,
+  wire.copy_all): each storage exported and mapped once, JSON per push. Once with the
+  trainer's weights as separate tensors (copied into a bucket buffer), once packed
+  (pack_parameters: the engine copies straight out of the trainer's weights).
+The floor: one device-to-device copy of the same bytes in one process.
 
     python bench/cuda_ipc_sync.py [--params-gb 0.99] [--bucket-mb 512] [--pushes 5]
 
@@ -19,13 +25,14 @@ from __future__ import annotations
 import argparse
 import base64
 import datetime
+import json
 import multiprocessing as mp
 import time
 from pathlib import Path
 
 import torch
 
-from milepost.core.weight_sync import sglang_wire, wire
+from milepost.core.weight_sync import cuda_buffers, sglang_wire, wire
 
 RESULTS = Path(__file__).parent / "results" / "cuda_ipc_sync.txt"
 LAYER = [("q", [896, 896]), ("k", [128, 896]), ("v", [128, 896]), ("o", [896, 896]),
@@ -78,6 +85,66 @@ def trainer(conn, results, specs: list[wire.Spec], bucket_bytes: int, pushes: in
     results.put({"times": times, "buckets": len(plan), "phases": phases, "engine": conn.recv()})
 
 
+class _Weights(torch.nn.Module):
+    """The trainer's weights as a module (WeightSender reads a module's state dict)."""
+
+    def __init__(self, specs: list[wire.Spec]) -> None:
+        super().__init__()
+        for s in specs:
+            self.register_parameter(s["name"].replace(".", "_"), torch.nn.Parameter(
+                torch.randn(s["shape"], device="cuda").to(torch.bfloat16), requires_grad=False))
+
+
+def milepost_specs(specs: list[wire.Spec]) -> list[wire.Spec]:
+    return [{**s, "name": s["name"].replace(".", "_")} for s in specs]
+
+
+def milepost_trainer(conn, results, specs: list[wire.Spec], bucket_bytes: int, pushes: int, packed: bool) -> None:
+    from milepost.core.train.weight_sender import WeightSender, pack_parameters
+    module = _Weights(specs)
+    if packed:
+        pack_parameters(module)
+    sender = WeightSender(module)
+    plan = [[s["name"] for s in bucket] for bucket in sender.buckets(bucket_bytes)]
+    times, phases = [], {"trainer_to_cuda": 0.0, "engine_round_trip": 0.0}
+    for _ in range(pushes):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for i, names in enumerate(plan):
+            t0 = time.perf_counter()
+            (payload,) = sender.to_cuda(names, i)  # copy (unless packed), sync, JSON
+            t1 = time.perf_counter()
+            conn.send(payload)
+            conn.recv()  # the engine copied it in: the buffer may be written again
+            t2 = time.perf_counter()
+            phases["trainer_to_cuda"] += (t1 - t0) / pushes
+            phases["engine_round_trip"] += (t2 - t1) / pushes
+        times.append(time.perf_counter() - start)
+    conn.send(None)
+    results.put({"times": times, "buckets": len(plan), "phases": phases, "engine": conn.recv()})
+
+
+def milepost_engine(conn, specs: list[wire.Spec]) -> None:
+    """The engine's reading as WeightReceiver.load_cuda does it (minus the HTTP and session)."""
+    mine = {s["name"]: torch.empty(s["shape"], dtype=torch.bfloat16, device="cuda") for s in specs}
+    mapped = cuda_buffers.MappedStorages()
+    phases, pushes = {"decode_and_map": 0.0, "engine_copy": 0.0}, 0
+    while (payload := conn.recv()) is not None:
+        t0 = time.perf_counter()
+        descriptor = cuda_buffers.decode_descriptor(json.loads(base64.b64decode(payload)))
+        storage = mapped.storage(descriptor)
+        t1 = time.perf_counter()
+        got = descriptor["tensors"]
+        wire.copy_all([mine[s["name"]] for s in got], [wire.view(storage, s["offset"], s) for s in got])
+        torch.cuda.current_stream().synchronize()  # done before answering (load_flat does the same)
+        t2 = time.perf_counter()
+        phases["decode_and_map"] += t1 - t0
+        phases["engine_copy"] += t2 - t1
+        pushes += 1
+        conn.send("ok")
+    conn.send({k: v / max(pushes, 1) for k, v in phases.items()})
+
+
 def engine(conn, specs: list[wire.Spec], keep_mappings: bool) -> None:
     """`keep_mappings`: hold the last bucket decoded from each trainer buffer, so the next
     push's handle (the trainer reuses its buffer) is found in torch's cache instead of being
@@ -123,12 +190,27 @@ def device_copy_s(nbytes: int, repeats: int = 5) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def push(specs: list[wire.Spec], args: argparse.Namespace, keep_mappings: bool) -> dict:
+ROWS = {  # row → (trainer, engine, how it is described)
+    "sglang-reopen": "SGLang's format, engine opens each handle (as SGLang)",
+    "sglang-keep": "SGLang's format, engine keeps the mapping",
+    "milepost-copied": "milepost's CUDA format, trainer copies into bucket buffers",
+    "milepost-packed": "milepost's CUDA format, trainer weights packed (read in place)",
+}
+
+
+def push(specs: list[wire.Spec], args: argparse.Namespace, row: str) -> dict:
     ctx = mp.get_context("spawn")
     to_engine, to_trainer = ctx.Pipe()
     results = ctx.Queue()
-    procs = [ctx.Process(target=trainer, args=(to_engine, results, specs, args.bucket_mb << 20, args.pushes)),
-             ctx.Process(target=engine, args=(to_trainer, specs, keep_mappings))]
+    bucket_bytes = args.bucket_mb << 20
+    if row.startswith("milepost"):
+        ours = milepost_specs(specs)
+        procs = [ctx.Process(target=milepost_trainer, args=(to_engine, results, ours, bucket_bytes, args.pushes,
+                                                            row == "milepost-packed")),
+                 ctx.Process(target=milepost_engine, args=(to_trainer, ours))]
+    else:
+        procs = [ctx.Process(target=trainer, args=(to_engine, results, specs, bucket_bytes, args.pushes)),
+                 ctx.Process(target=engine, args=(to_trainer, specs, row == "sglang-keep"))]
     for p in procs:
         p.start()
     measured = results.get(timeout=600)
@@ -145,25 +227,29 @@ def main() -> None:
     args = parser.parse_args()
     specs = model_specs(args.params_gb)
     nbytes = sum(wire.spec_nbytes(s) for s in specs)
-    rows = {keep: push(specs, args, keep) for keep in (False, True)}
+    rows = {row: push(specs, args, row) for row in ROWS}
     copy_s = device_copy_s(nbytes)
     lines = [f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {torch.cuda.get_device_name()}, "
              f"torch {torch.__version__}: python bench/cuda_ipc_sync.py --params-gb {args.params_gb} "
              f"--bucket-mb {args.bucket_mb} --pushes {args.pushes}",
-             f"weights: {len(specs)} bf16 tensors, {nbytes / 1e9:.3f} GB, {rows[False]['buckets']} buckets",
+             f"weights: {len(specs)} bf16 tensors, {nbytes / 1e9:.3f} GB, {rows['sglang-reopen']['buckets']} buckets",
              f"device copy of the same bytes, one process: {copy_s:.4f} s = {nbytes / copy_s / 1e9:.1f} GB/s"]
-    for keep, measured in rows.items():
+    for row, measured in rows.items():
         push_s = min(measured["times"][1:] or measured["times"])  # the first push maps the handles
-        how = "engine keeps the mapping" if keep else "engine opens each handle (as SGLang)"
-        lines.append(f"push by CUDA IPC, {how}: trainer copy + payload + engine copy, best of "
+        lines.append(f"push by CUDA IPC, {ROWS[row]}: best of "
                      f"{len(measured['times'])} (first {measured['times'][0]:.4f} s): {push_s:.4f} s = "
                      f"{nbytes / push_s / 1e9:.1f} GB/s, vs device copy {copy_s / push_s:.3f}")
         phases = {**measured["phases"], **{f"engine {k}": v * measured["buckets"]
                                           for k, v in measured["engine"].items()}}
         lines.append("  per push (mean, each phase synchronised apart, buckets summed): " +
                      ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in phases.items()))
-    best = min(min(m["times"][1:] or m["times"]) for m in rows.values())
-    lines.append(f"tensor_sync_vs_copy: {copy_s / best:.3f}")
+    def ratio(row: str) -> float:
+        return copy_s / min(rows[row]["times"][1:] or rows[row]["times"])
+    # the figure: what the tensor transport does for the built-in engine on a GPU with any backend
+    # (a backend that packs its parameters, as the torch backend does, gets the packed row)
+    lines.append(f"tensor_sync_vs_copy: {ratio('milepost-copied'):.3f} (milepost's CUDA format, weights copied "
+                 f"into bucket buffers; packed weights: {ratio('milepost-packed'):.3f}; SGLang's format: "
+                 f"{ratio('sglang-reopen'):.3f})")
     text = "\n".join(lines) + "\n"
     print(text, end="")
     RESULTS.parent.mkdir(exist_ok=True)

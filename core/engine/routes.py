@@ -33,6 +33,7 @@ from milepost.core.engine.quantized import add_weights_route
 from milepost.core.engine.routing_capture import check_start_len
 from milepost.core.engine.scheduler import Scheduler
 from milepost.core.engine.weight_routes import add_weight_routes, client_gone
+from milepost.core.weight_sync.cuda_buffers import CUDA_FORMAT
 from milepost.core.weight_sync.groups import MAX_GLOO_STREAMS
 from milepost.core.weight_sync.wire import SHM_FORMAT
 
@@ -191,10 +192,10 @@ def create_app(sched: Scheduler) -> FastAPI:
                 "max_gloo_streams": MAX_GLOO_STREAMS,  # /init_weights_update_group takes `gloo_streams`
                 "accepts_push_id": True,  # /pause_generation and /continue_generation take `push_id`
                 "end_weight_update_abort": True,  # /end_weight_update takes `abort` (discards the session)
-                # /update_weights_from_tensor also takes milepost's shm descriptor (beside SGLang's pickle)
-                # on a CPU, where it serves the trainer's host-memory files in place; on a GPU the
-                # trainer sends SGLang's format (CUDA IPC from a GPU trainer)
-                "tensor_formats": [SHM_FORMAT] if sched.device_type() == "cpu" else [],
+                # /update_weights_from_tensor also takes (beside SGLang's pickle) milepost's shm descriptor
+                # on a CPU, where it serves the trainer's host-memory files in place, and milepost's
+                # CUDA descriptor on a GPU (trainer storages mapped once: weight_sync/cuda_buffers.py)
+                "tensor_formats": [SHM_FORMAT] if sched.device_type() == "cpu" else [CUDA_FORMAT],
                 "enable_lora": sched.lora.enabled,
                 "max_lora_rank": sched.lora.max_rank, "lora_target_modules": sched.lora.target_modules,
                 "quantization": sched.quantization}

@@ -8,6 +8,7 @@ Payload formats live in milepost.core.weight_sync.wire; HTTP parsing in weight_r
 from __future__ import annotations
 
 import logging
+import pickle
 import threading
 import time
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from milepost.core.engine.group_receiver import GroupReceiver
 from milepost.core.engine.shm_leases import Lease, LeaseError, ShmFiles
 from milepost.core.quant.fp8 import FP8_DTYPE
 from milepost.core.weight_sync import wire
+from milepost.core.weight_sync.cuda_buffers import MappedStorages
 
 if TYPE_CHECKING:  # types only: the scheduler imports the parts of the engine
     from milepost.core.engine.scheduler import Scheduler
@@ -84,6 +86,7 @@ class WeightReceiver:
         self._shadows: dict[str, torch.Tensor] = {}  # private staging tensors (distributed)
         self._live_leases: dict[str, Lease] = {}  # canonical name → lease of the file it lives in
         self._files = ShmFiles()
+        self._mapped = MappedStorages()  # trainer CUDA storages (milepost's CUDA format), mapped once
         self.groups = GroupReceiver(self)  # the distributed transport's side
         self.unloaded: set[str] = set()  # canonical names allocated by a memory resume, not yet loaded
         self.epoch = 0  # bumped whenever a live tensor's storage is replaced (fast_path.ContinuousDriver)
@@ -151,21 +154,33 @@ class WeightReceiver:
             self._discard(s)
             return 503, f"model busy for {self.lock_timeout_s} s; still serving {self.sched.weight_version}"
         try:
+            targets = self._target_map()
+            copied = [(c, t) for c, (t, lease) in s.staged.items() if self._copies_in(targets[c][1], t, lease)]
+            # one multi-tensor copy for all of them (on a GPU, one copy per tensor costs ~25 us each)
+            wire.copy_all([targets[c][1].data for c, _ in copied], [t for _, t in copied])
+            done = {c for c, _ in copied}
             for canonical, (tensor, lease) in s.staged.items():
-                self._swap_in(canonical, tensor, lease)
+                self._swap_in(canonical, tensor, lease, copied=canonical in done)
             self.sched.weight_version = version
         finally:
             self.sched.model_lock.release()
         return 200, f"committed {len(s.staged)} tensors as weight_version {s.version}"
 
-    def _swap_in(self, canonical: str, tensor: torch.Tensor, lease: Lease | None) -> None:
-        """Point the live tensor at `tensor` (caller holds model_lock and _update_lock)."""
+    @staticmethod
+    def _copies_in(live: torch.Tensor, tensor: torch.Tensor, lease: Lease | None) -> bool:
+        """Is `tensor` copied into the live tensor rather than swapped in? On a GPU, yes: CUDA
+        graphs captured over the live tensor stay valid (static_model.py)."""
+        return live.is_cuda and lease is None and bool(live.numel()) and live.shape == tensor.shape
+
+    def _swap_in(self, canonical: str, tensor: torch.Tensor, lease: Lease | None, copied: bool = False) -> None:
+        """Point the live tensor at `tensor` (caller holds model_lock and _update_lock);
+        `copied`: the caller already copied it into the live tensor."""
         live = self._target_map()[canonical][1]
         self.generation += 1  # contents change either way (quantized.py re-quantises on it)
-        if live.is_cuda and lease is None and live.numel() and live.shape == tensor.shape:
-            # Copied in, not swapped: CUDA graphs captured over the live tensor stay valid
-            # (static_model.py); the staged tensor stays the next shadow.
-            live.data.copy_(tensor)
+        if self._copies_in(live, tensor, lease):
+            # Copied in, not swapped; the staged tensor stays the next shadow.
+            if not copied:
+                live.data.copy_(tensor)
             self.unloaded.discard(canonical)
             if tensor.device == live.device and tensor.dtype == live.dtype:
                 self._shadows[canonical] = tensor
@@ -236,6 +251,7 @@ class WeightReceiver:
                     if lease is not None:
                         lease.release()
             self._shadows.clear()
+            self._mapped.clear()  # the trainer's storages: its allocator may reuse them once unmapped
             self.epoch += 1
             self.generation += 1
             return shapes
@@ -375,7 +391,29 @@ class WeightReceiver:
         if problem:
             raise UpdateRejected(problem)
         wire.copy_all([self.shadow(s["name"]) for s in specs], [wire.view(flat, s["offset"], s) for s in specs])
+        if flat.is_cuda:  # the sender rewrites its buffer once this call answers: the copy must be done
+            torch.cuda.current_stream(flat.device).synchronize()
         return f"staged {len(specs)} tensors from a flattened bucket"
+
+    # ---- tensor transport, milepost's CUDA format: a trainer storage mapped once, copied into shadows ----
+    def load_cuda(self, descriptor: dict[str, Any]) -> str:
+        """Stage a bucket that lies in a trainer CUDA storage (cuda_buffers: mapped at its
+        first use and kept) by copying it into private shadows, as load_flat."""
+        specs = descriptor["tensors"]
+        problem = self.problems(specs)
+        if problem:
+            raise UpdateRejected(problem)
+        devices = {self._target_map()[s["name"]][1].device.type for s in specs}
+        if devices != {"cuda"} and specs:
+            raise UpdateRejected(f"milepost's CUDA format is for engines on a GPU and this engine's weights are on "
+                                 f"{', '.join(sorted(devices))}: send the shm format (its /server_info "
+                                 "tensor_formats lists what it reads)")
+        try:
+            storage = self._mapped.storage(descriptor)
+        except (pickle.UnpicklingError, RuntimeError) as exc:  # not visible here, or a stale handle
+            raise UpdateRejected(f"cannot map the trainer's CUDA storage: {exc}") from None
+        self.load_flat(storage, specs)
+        return f"staged {len(specs)} tensors from a mapped trainer storage ({len(self._mapped)} mapped)"
 
     # ---- tensor transport: the trainer's shm bucket files, used in place ----
     def load_shm(self, descriptor: dict[str, Any]) -> str:

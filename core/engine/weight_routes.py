@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from milepost.core.engine.weight_receiver import Reply, WeightReceiver
-from milepost.core.weight_sync import sglang_wire, wire
+from milepost.core.weight_sync import cuda_buffers, sglang_wire, wire
 from milepost.core.weight_sync.groups import check_streams
 
 if TYPE_CHECKING:  # types only: the scheduler imports the parts of the engine
@@ -90,8 +91,9 @@ def _load_format(body: dict, allowed: tuple[Any, ...]) -> Any:
 
 def load_tensor_payload(receiver: WeightReceiver, blob: Any) -> str:
     """One TP rank's `serialized_named_tensors` entry: SGLang's format (a pickled flattened
-    bucket, read only through sglang_wire's allow-list, copied into private shadows) or
-    milepost's shared-memory descriptor (served in place; wire.py)."""
+    bucket, read only through sglang_wire's allow-list, copied into private shadows),
+    milepost's CUDA descriptor (a trainer storage mapped once, copied into private shadows;
+    cuda_buffers.py) or milepost's shared-memory descriptor (served in place; wire.py)."""
     if not isinstance(blob, str):
         raise FieldError("`serialized_named_tensors` entries must be base64 strings")
     try:
@@ -100,7 +102,17 @@ def load_tensor_payload(receiver: WeightReceiver, blob: Any) -> str:
         raise FieldError(f"serialized_named_tensors is not base64: {exc}") from None
     if sglang_wire.looks_like_pickle(raw):
         return receiver.load_flat(*sglang_wire.decode(raw))
-    return receiver.load_shm(wire.decode_shm_descriptor(blob))
+    body = _json_or_none(raw)
+    if isinstance(body, dict) and body.get("format") == cuda_buffers.CUDA_FORMAT:
+        return receiver.load_cuda(cuda_buffers.decode_descriptor(body))
+    return receiver.load_shm(wire.decode_shm_descriptor(blob))  # says what is wrong with anything else
+
+
+def _json_or_none(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
 
 
 def add_weight_routes(app: FastAPI, sched: Scheduler, receiver: WeightReceiver) -> None:

@@ -1,8 +1,10 @@
 """The trainer's half of the tensor and distributed weight transports (rank 0 only).
 
 `tensor`: copies a bucket of named tensors into a reused named /dev/shm file and returns
-the descriptor the engine maps it by (milepost's extension), or into a reused shared buffer
-and returns SGLang's payload for it (sglang_wire). `distributed`: joins a gloo group with the engines
+the descriptor the engine maps it by (milepost's extension for engines on CPU), or names
+CUDA storages the engine maps once (cuda_buffers: milepost's extension for engines on a
+GPU), or copies it into a reused shared buffer and returns SGLang's payload for it
+(sglang_wire). `distributed`: joins a gloo group with the engines
 (trainer = rank 0) and broadcasts buckets, flattened or tensor by tensor.
 Formats: milepost.core.weight_sync.wire.
 """
@@ -20,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from milepost.core.quant import fp8
-from milepost.core.weight_sync import groups, sglang_wire, wire
+from milepost.core.weight_sync import cuda_buffers, groups, sglang_wire, wire
 
 SHM_PREFIX = "milepost-w-"
 MAX_FILES_PER_BUCKET = 4  # engines hold one set (served) and maybe one staged; more means a leak
@@ -28,7 +30,7 @@ SPLIT_BYTES = 4 << 20  # tensors this big are cut into one piece per copy thread
 
 
 def pack_parameters(module: torch.nn.Module) -> int:
-    """Lay `module`'s parameters out back to back, one buffer per dtype, in state-dict order
+    """Lay `module`'s parameters out back to back, one buffer per dtype and device, in state-dict order
     (a tied parameter once, where it first appears), and point each at its place. Values,
     Parameter objects and ties are unchanged. Why: a weight bucket is then one span of
     memory, which the distributed transport broadcasts in a few large pieces with no copy
@@ -38,9 +40,9 @@ def pack_parameters(module: torch.nn.Module) -> int:
         if isinstance(t, torch.nn.Parameter) and t.is_contiguous():
             params.setdefault(id(t), t)
     moved = 0
-    for dtype in {p.dtype for p in params.values()}:
-        same = [p for p in params.values() if p.dtype == dtype]
-        buf, pos = torch.empty(sum(p.numel() for p in same), dtype=dtype), 0
+    for dtype, device in {(p.dtype, p.device) for p in params.values()}:
+        same = [p for p in params.values() if p.dtype == dtype and p.device == device]
+        buf, pos = torch.empty(sum(p.numel() for p in same), dtype=dtype, device=device), 0
         for p in same:
             n = p.numel()
             buf[pos:pos + n].copy_(p.data.view(-1))
@@ -114,6 +116,8 @@ class WeightSender:
         self._copy_pool: ThreadPoolExecutor | None = None
         self._files: dict[int, list[BucketFile]] = {}
         self._sglang_buffers: dict[int, torch.Tensor] = {}  # bucket → shared buffer (SGLang's format)
+        self._cuda_buffers: dict[int, torch.Tensor] = {}  # bucket → CUDA buffer (milepost's CUDA format)
+        self._cuda_exports: dict[tuple[int, int, int], dict[str, Any]] = {}  # (storage, bytes, reader) → export
         self._groups: dict[str, tuple[Any, int]] = {}  # name → (group, streams)
         self._flat: torch.Tensor | None = None
         self._swept = False
@@ -202,6 +206,42 @@ class WeightSender:
         self._copy([(wire.view(flat, o, spec), t) for (spec, t), o in zip(pairs, offs)])
         return [sglang_wire.encode(flat[:total], specs) for _ in range(copies)]
 
+    def to_cuda(self, names: list[str], bucket: int, readers: int = 1) -> list[str]:
+        """`names` as milepost's CUDA descriptors (cuda_buffers), one per receiving TP rank:
+        read in place where they lie back to back in one CUDA storage (packed parameters, no
+        copy), else copied into bucket `bucket`'s reused CUDA buffer. Each storage is exported
+        once per reader and kept (an engine maps each export once); the stream is synchronised
+        before returning, so the bytes are complete when an engine reads them."""
+        pairs = self._gather(names)
+        specs = [s for s, _ in pairs]
+        tensors = [t for _, t in pairs]
+        flat = wire.span(tensors) if tensors and tensors[0].is_cuda else None
+        if flat is not None:
+            placed = [{**spec, "offset": t.storage_offset() * t.element_size()} for spec, t in pairs]
+        else:
+            offs, total = wire.offsets(specs)
+            device = tensors[0].device if tensors and tensors[0].is_cuda else torch.device("cuda")
+            flat = self._cuda_buffers.get(bucket)
+            if flat is None or flat.numel() < total or flat.device != device:
+                self._forget_exports(flat)
+                flat = self._cuda_buffers[bucket] = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
+            self._copy([(wire.view(flat, o, spec), t) for (spec, t), o in zip(pairs, offs)])
+            placed = [{**spec, "offset": o} for spec, o in zip(specs, offs)]
+        torch.cuda.current_stream(flat.device).synchronize()  # the engine reads on its own stream
+        storage = flat.untyped_storage()
+        return [cuda_buffers.encode_descriptor(self._export(storage, flat, r), placed) for r in range(readers)]
+
+    def _export(self, storage: torch.UntypedStorage, tensor: torch.Tensor, reader: int) -> dict[str, Any]:
+        key = (storage.data_ptr(), storage.nbytes(), reader)
+        if key not in self._cuda_exports:
+            self._cuda_exports[key] = cuda_buffers.export_storage(tensor)
+        return self._cuda_exports[key]
+
+    def _forget_exports(self, buffer: torch.Tensor | None) -> None:
+        if buffer is not None:
+            ptr = buffer.untyped_storage().data_ptr()
+            self._cuda_exports = {k: v for k, v in self._cuda_exports.items() if k[0] != ptr}
+
     def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """dst.copy_(src) for every pair: into a CUDA buffer as one multi-tensor copy (one
         launch, not one per tensor: the GPU's copy engine needs no threads), into host memory
@@ -270,6 +310,8 @@ class WeightSender:
         """Unlink every file (engines keep the memory they map until they swap it out) and
         drop the shared buffers of SGLang's format."""
         self._sglang_buffers.clear()
+        self._cuda_buffers.clear()
+        self._cuda_exports.clear()
         for files in self._files.values():
             for f in files:
                 os.close(f.fd)

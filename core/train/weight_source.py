@@ -3,6 +3,8 @@
 Rank 0 of a trainer sends weights (core/train/weight_sender.py). `SenderRank` gives a rank
 actor the methods the transports call; `Rank0WeightSource` gives the driver-side backend the
 same methods, forwarded to rank 0 with a timeout so a transport can bound every step.
+`InProcessWeightSource` is both halves in one process (a trainer without Ray: benchmarks and
+GPU tests on a machine that has no Ray).
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ class SenderRank:
 
     def named_tensors_to_sglang(self, names: list[str], bucket: int, copies: int = 1) -> list[str]:
         return self._weight_sender().to_sglang(names, bucket, copies)
+
+    def named_tensors_to_cuda(self, names: list[str], bucket: int, readers: int = 1) -> list[str]:
+        return self._weight_sender().to_cuda(names, bucket, readers)
 
     def release_weight_buffers(self) -> None:
         self._weight_sender().release()
@@ -98,6 +103,12 @@ class Rank0WeightSource(RankActors):
         self._stage(names, timeout_s)
         return self._on_rank0("named_tensors_to_sglang", names, bucket, copies, timeout_s=timeout_s)
 
+    def named_tensors_to_cuda(self, names: list[str], bucket: int, readers: int = 1,
+                              timeout_s: float = 60.0) -> list[str]:
+        """Bucket `bucket` as milepost's CUDA descriptors, one per receiving TP rank."""
+        self._stage(names, timeout_s)
+        return self._on_rank0("named_tensors_to_cuda", names, bucket, readers, timeout_s=timeout_s)
+
     def release_weight_buffers(self, timeout_s: float = 60.0) -> None:
         self._on_rank0("release_weight_buffers", timeout_s=timeout_s)
 
@@ -115,3 +126,31 @@ class Rank0WeightSource(RankActors):
 
     def destroy_weight_group(self, group_name: str, timeout_s: float = 60.0) -> None:
         self._on_rank0("destroy_weight_group", group_name, timeout_s=timeout_s)
+
+
+class _ModuleRank(SenderRank):
+    def __init__(self, module: Any, weight_format: str | None) -> None:
+        from milepost.core.train.weight_sender import WeightSender
+        self._sender = WeightSender(module, weight_format=weight_format)
+
+    def _weight_sender(self) -> Any:
+        return self._sender
+
+    def free_port(self) -> int:
+        from milepost.core.fleet.router import free_port
+        return free_port("127.0.0.1")
+
+    def weight_group_address(self) -> tuple[str, int]:
+        """Loopback: an in-process trainer's engines run on this machine."""
+        return "127.0.0.1", self.free_port()
+
+
+class InProcessWeightSource(Rank0WeightSource):
+    """A WeightSource over a module in this process (rank 0 is this process; no Ray): the
+    transports' real trainer-side code, called directly. `timeout_s` is not enforced."""
+
+    def __init__(self, module: Any, weight_format: str | None = None) -> None:
+        self.rank = _ModuleRank(module, weight_format)
+
+    def _on_rank0(self, method: str, *args: Any, timeout_s: float) -> Any:
+        return getattr(self.rank, method)(*args)

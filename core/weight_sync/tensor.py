@@ -7,16 +7,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from milepost.core.fleet.client import EngineClient
-from milepost.core.weight_sync import wire
+from milepost.core.weight_sync import cuda_buffers, wire
 from milepost.core.weight_sync.base import Deadline, WeightSource, log, on_engines, result
 from milepost.core.weight_sync.session import SessionTransport
 
 
 class TensorTransport(SessionTransport):
-    """Formats, agreed per push from the engines' /server_info: when every engine lists
-    milepost's shm descriptor in `tensor_formats` (the built-in engine does), one copy per
-    push: the trainer copies its weights into shared-memory files and the engine serves
-    them in place (file ownership rules in wire's docstring). Any other engine (SGLang) gets
+    """Formats, agreed per push from the engines' /server_info (`agree_format`): when every
+    engine lists milepost's shm descriptor in `tensor_formats` (the built-in engine on CPU
+    does), one copy per push: the trainer copies its weights into shared-memory files and
+    the engine serves them in place (file ownership rules in wire's docstring). When every
+    engine lists milepost's CUDA descriptor (the built-in engine on a GPU), CUDA storages
+    mapped once and named by JSON (cuda_buffers). Any other engine (SGLang) gets
     SGLang's own format (sglang_wire: a pickled flattened bucket over shared memory, one
     entry per engine TP rank, `tp_size` from /server_info); the engine copies it in.
 
@@ -44,18 +46,19 @@ class TensorTransport(SessionTransport):
         self._bytes, buffer_bytes = sum(sizes), max(sizes, default=0)  # every file fits any bucket
         infos = on_engines(pool, clients, "server_info", lambda c: c.server_info(timeout_s=deadline.left()),
                            deadline)
-        self._shm = self.wire_format != "sglang" and all(
-            wire.SHM_FORMAT in (info.get("tensor_formats") or []) for info in infos)
+        self._format = "sglang" if self.wire_format == "sglang" else agree_format(infos)
         tp = [int(info.get("tp_size", 1)) for info in infos]
         starts = [sum(tp[:k]) for k in range(len(tp))]  # engine k reads payloads [start, start + tp_k)
         self._ranks = {c.base_url: (start, start + n) for c, start, n in zip(clients, starts, tp)}
 
         def write(i: int) -> list[str]:
             """Bucket i's `serialized_named_tensors`: one shm descriptor for every engine, or
-            one SGLang payload per engine TP rank (each read once)."""
+            one CUDA descriptor or SGLang payload per engine TP rank (each read once)."""
             names = [s["name"] for s in plan[i]]
-            if self._shm:
+            if self._format == "shm":
                 return [backend.named_tensors_to_shm(names, i, buffer_bytes, timeout_s=deadline.left())]
+            if self._format == "cuda":
+                return backend.named_tensors_to_cuda(names, i, sum(tp), timeout_s=deadline.left())
             return backend.named_tensors_to_sglang(names, i, sum(tp), timeout_s=deadline.left())
 
         self._write = write
@@ -72,8 +75,8 @@ class TensorTransport(SessionTransport):
 
         def post(payloads: list[str]) -> None:
             on_engines(pool, clients, "update_weights_from_tensor", lambda c: c.update_weights_from_tensor(
-                payloads if self._shm else payloads[slice(*self._ranks[c.base_url])], "flattened_bucket", flush,
-                timeout_s=deadline.left()), deadline)
+                payloads if self._format == "shm" else payloads[slice(*self._ranks[c.base_url])],
+                "flattened_bucket", flush, timeout_s=deadline.left()), deadline)
 
         try:  # the writer and the posters run in `_stage`; `pool` serves the per-engine calls
             posts: list[Future] = []
@@ -104,3 +107,14 @@ class TensorTransport(SessionTransport):
                 self.backend.release_weight_buffers(timeout_s=self.cleanup_timeout_s)
             except Exception as exc:  # noqa: BLE001 - the trainer may be gone already
                 log.warning("releasing the trainer's weight buffers: %s", exc)
+
+
+def agree_format(infos: list[dict[str, Any]]) -> str:
+    """The format every engine reads, from their /server_info `tensor_formats`: milepost's
+    shm descriptor (engines on CPU), milepost's CUDA descriptor (engines on a GPU), else
+    SGLang's own (SGLang engines, or a fleet that agrees on neither)."""
+    listed = [set(info.get("tensor_formats") or []) for info in infos]
+    for name, fmt in (("shm", wire.SHM_FORMAT), ("cuda", cuda_buffers.CUDA_FORMAT)):
+        if listed and all(fmt in formats for formats in listed):
+            return name
+    return "sglang"

@@ -91,7 +91,7 @@ def test_engine_serves_by_the_fast_path_and_sees_weight_updates(served) -> None:
     root, client, _ = served
     info = client.server_info()
     assert info["device"] == "cuda" and info["decode_path"] == "fast"
-    assert info["tensor_formats"] == []  # the tensor transport sends SGLang's format (CUDA IPC), not shm
+    assert info["tensor_formats"] == ["milepost-cuda-v1"]  # trainer storages mapped once (cuda_buffers.py)
     first = [o["output_ids"] for o in client.generate(PROMPTS, GREEDY)]
     assert all(len(ids) == GREEDY["max_new_tokens"] for ids in first)
     client.update_weights_from_disk(str(root / "v1"), weight_version="1")

@@ -169,6 +169,32 @@ def test_health_and_info(engine, router) -> None:
     assert httpx.post(f"{router.url}/flush_cache", timeout=10).status_code == 200
 
 
+def test_a_cuda_descriptor_to_an_engine_on_cpu_is_400_and_names_the_format_to_send(engine, models) -> None:
+    """The tensor transport sends milepost's CUDA descriptor only to engines that list it; one
+    sent anyway fails its session with the reason, and the engine keeps its weights."""
+    import base64
+    import math
+
+    from safetensors import safe_open
+
+    from milepost.core.weight_sync import cuda_buffers
+    with safe_open(str(next(Path(models[0]).glob("*.safetensors"))), "pt") as f:
+        name = next(iter(f.keys()))
+        shape = list(f.get_slice(name).get_shape())
+    storage = {"device": "GPU-00000000-0000-0000-0000-000000000000", "handle": base64.b64encode(b"0" * 64).decode(),
+               "size_bytes": 4 * math.prod(shape), "offset_bytes": 0,
+               "ref_counter_handle": base64.b64encode(b"/torch_1_2_3").decode(), "ref_counter_offset": 0,
+               "event_handle": None, "event_sync_required": False}
+    blob = cuda_buffers.encode_descriptor(storage, [{"name": name, "dtype": "float32", "shape": shape, "offset": 0}])
+    version = engine.model_info()["weight_version"]
+    engine.begin_weight_update()
+    with pytest.raises(EngineError, match="CUDA format is for engines on a GPU.*on cpu: send the shm format"):
+        engine.update_weights_from_tensor([blob], weight_version="never")
+    with pytest.raises(EngineError, match="session discarded because an update failed"):
+        engine.end_weight_update()
+    assert engine.model_info()["weight_version"] == version
+
+
 @pytest.mark.parametrize("change,named", [
     ({"gloo_streams": 0}, "gloo_streams"), ({"gloo_streams": 99}, "gloo_streams"),
     ({"gloo_streams": "4"}, "gloo_streams"), ({"backend": "nccl"}, "gloo"), ({"world_size": None}, "world_size"),

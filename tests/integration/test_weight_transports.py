@@ -114,6 +114,28 @@ def test_push_serves_what_a_disk_load_serves(make, engines, backend, models, ref
     assert reference["trained"] != reference["v0"]
 
 
+@pytest.mark.parametrize("make", [lambda: TensorTransport(timeout_s=60, bucket_mb=0.01),
+                                  lambda: DistributedTransport(timeout_s=60, gloo_streams=2)],
+                         ids=["tensor", "distributed"])
+def test_an_in_process_trainer_pushes_what_a_disk_load_serves(make, engines, models):
+    """InProcessWeightSource: the trainer's sender called in this process, no Ray (a GPU
+    machine without Ray runs benchmarks and tests/gpu this way)."""
+    from transformers import Qwen2ForCausalLM
+
+    from milepost.core.train.weight_source import InProcessWeightSource
+    clients = [c for _, c in engines]
+    _load_disk(clients, models[1], "1")
+    want = _outputs(clients)
+    _load_disk(clients, models[0], "0")
+    source = InProcessWeightSource(Qwen2ForCausalLM.from_pretrained(models[1]))
+    transport = make()
+    try:
+        transport.push(clients, "", "in-process", backend=source)
+        assert _outputs(clients) == want
+    finally:
+        transport.close()
+
+
 @pytest.mark.parametrize("name", ["tensor", "distributed", "disk"])
 def test_stopped_engine_fails_within_timeout_and_others_keep_serving(name, engines, backend, models, reference,
                                                                      tmp_path):

@@ -1,0 +1,97 @@
+"""milepost's CUDA weight format end to end on one GPU: a trainer in this process pushes by
+the `tensor` transport (TensorTransport, real HTTP) into a real built-in engine process on the
+same GPU; the engine maps each trainer storage once and serves exactly what a disk load of
+the same weights serves.
+
+Run through the device tool: `python -m pytest -q -m gpu tests/gpu/test_cuda_buffers_gpu.py`.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+GREEDY = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}
+PROMPTS = [[3, 4, 5], [7, 8, 9, 10, 11], [12]]
+
+
+def _model(seed: int) -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+                         tie_word_embeddings=False, eos_token_id=1, pad_token_id=0)
+    return Qwen2ForCausalLM(config).to(torch.bfloat16).cuda().eval()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from tinymodels import start_engines, stop_engines
+    root = tmp_path_factory.mktemp("cuda-buffers")
+    for version in (0, 1):
+        _model(version).save_pretrained(root / f"v{version}")
+    started = start_engines(str(root / "v0"), root, 1, "--device", "cuda", "--dtype", "bfloat16",
+                            "--mem-fraction-static", "0.3", "--context-length", "512", startup_timeout_s=300)
+    yield root, started[0][1]
+    stop_engines(started)
+
+
+def _outputs(client) -> list[list[int]]:
+    return [o["output_ids"] for o in client.generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["copied-into-buckets", "packed-read-in-place"])
+def test_a_push_by_cuda_storages_serves_what_a_disk_load_serves(served, packed) -> None:
+    from milepost.core.train.weight_sender import pack_parameters
+    from milepost.core.train.weight_source import InProcessWeightSource
+    from milepost.core.weight_sync import TensorTransport
+    root, client = served
+    assert client.server_info()["tensor_formats"] == ["milepost-cuda-v1"]
+    client.update_weights_from_disk(str(root / "v1"), weight_version="disk-v1")
+    want = _outputs(client)
+    client.update_weights_from_disk(str(root / "v0"), weight_version="disk-v0")
+    assert _outputs(client) != want
+    trainer = _model(1)
+    if packed:
+        pack_parameters(trainer)  # one span per dtype: buckets are read where the weights lie
+    source = InProcessWeightSource(trainer)
+    transport = TensorTransport(timeout_s=120, bucket_mb=16)
+    try:
+        for version in ("1", "2"):
+            metrics = transport.push([client], "", version, backend=source)
+            assert transport._format == "cuda" and metrics["sync/attempts"] == 1
+            assert client.model_info()["weight_version"] == version
+            assert _outputs(client) == want
+        buffers = source.rank._weight_sender()._cuda_buffers
+        assert (len(buffers) == 0) == packed  # packed: no staging copy on the trainer
+    finally:
+        transport.close()
+
+
+def test_each_trainer_storage_is_mapped_once_and_dropped_on_memory_release(served) -> None:
+    """Two pushes of one bucket map one storage; a release unmaps it; the next push maps again."""
+    from milepost.core.train.weight_sender import WeightSender
+    root, client = served
+    sender = WeightSender(_model(1))
+    (bucket,) = sender.buckets(1 << 40)  # bf16 only: one bucket
+    names = [s["name"] for s in bucket]
+
+    def push(version: str) -> int:
+        client.begin_weight_update()
+        reply = client.update_weights_from_tensor(sender.to_cuda(names, 0), weight_version=version)
+        client.end_weight_update()
+        return int(re.search(r"\((\d+) mapped\)", reply["message"]).group(1))
+
+    assert [push("m1"), push("m2")] == [1, 1]  # the second push found its mapping
+    client.release_memory_occupation()
+    client.resume_memory_occupation()
+    assert push("m3") == 1  # mapped again after the release dropped it
+    sender.release()
