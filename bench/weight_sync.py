@@ -27,7 +27,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import ray
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -109,11 +108,13 @@ def raw_gloo_gb_per_s(nbytes: int, tmp: Path, streams: int) -> float:
     return float(out.read_text())
 
 
-def start_engine(model: str, log: Path) -> tuple[subprocess.Popen, EngineClient]:
+def start_engine(model: str, log: Path, *flags: str) -> tuple[subprocess.Popen, EngineClient]:
+    """A built-in engine server process on a free port (`flags`: more server flags)."""
     port = free_port()
     log_file = open(log, "wb")  # noqa: SIM115 - the engine process writes it while it runs
     proc = subprocess.Popen([sys.executable, "-m", "milepost.core.engine.server", "--model-path", model,
-                             "--host", "127.0.0.1", "--port", str(port)], stdout=log_file, stderr=subprocess.STDOUT)
+                             "--host", "127.0.0.1", "--port", str(port), *flags], stdout=log_file,
+                            stderr=subprocess.STDOUT)
     client = EngineClient(f"http://127.0.0.1:{port}", timeout_s=600)
     deadline = time.monotonic() + 300
     while not client.health():
@@ -141,6 +142,7 @@ def timed_pushes(push: Callable[[str], dict[str, float]], repeats: int, tag: str
 
 
 def main() -> None:
+    import ray  # here, not at the top: bench/gpu_weight_sync.py imports this module where Ray is absent
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--hidden", type=int, default=1024)
