@@ -125,8 +125,14 @@ def milepost_trainer(conn, results, specs: list[wire.Spec], bucket_bytes: int, p
 
 
 def milepost_engine(conn, specs: list[wire.Spec]) -> None:
-    """The engine's reading as WeightReceiver.load_cuda does it (minus the HTTP and session)."""
-    mine = {s["name"]: torch.empty(s["shape"], dtype=torch.bfloat16, device="cuda") for s in specs}
+    """The engine's reading as WeightReceiver.load_cuda does it (minus the HTTP and session):
+    into staging tensors laid out back to back (as its shadow_span), by wire.copy_bucket."""
+    staging = torch.empty(sum(wire.spec_nbytes(s) for s in specs) // 2, dtype=torch.bfloat16, device="cuda")
+    mine, pos = {}, 0
+    for s in specs:
+        n = wire.spec_nbytes(s) // 2
+        mine[s["name"]] = staging[pos:pos + n].view(s["shape"])
+        pos += n
     mapped = cuda_buffers.MappedStorages()
     phases, pushes = {"decode_and_map": 0.0, "engine_copy": 0.0}, 0
     while (payload := conn.recv()) is not None:
@@ -135,7 +141,7 @@ def milepost_engine(conn, specs: list[wire.Spec]) -> None:
         storage = mapped.storage(descriptor)
         t1 = time.perf_counter()
         got = descriptor["tensors"]
-        wire.copy_all([mine[s["name"]] for s in got], [wire.view(storage, s["offset"], s) for s in got])
+        wire.copy_bucket([mine[s["name"]] for s in got], storage, got)
         torch.cuda.current_stream().synchronize()  # done before answering (load_flat does the same)
         t2 = time.perf_counter()
         phases["decode_and_map"] += t1 - t0

@@ -33,7 +33,6 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from milepost.core.config import AlgoConfig, SyncConfig, TrainConfig
 from milepost.core.fleet.client import EngineClient
 from milepost.core.fleet.router import free_port
-from milepost.core.train.torch_backend import TorchBackend
 from milepost.core.weight_sync import DistributedTransport, TensorTransport, build_transport
 
 PROMPTS = [[3, 4, 5, 6], [7, 8, 9]]
@@ -143,6 +142,8 @@ def timed_pushes(push: Callable[[str], dict[str, float]], repeats: int, tag: str
 
 def main() -> None:
     import ray  # here, not at the top: bench/gpu_weight_sync.py imports this module where Ray is absent
+
+    from milepost.core.train.torch_backend import TorchBackend  # imports Ray
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--hidden", type=int, default=1024)

@@ -390,7 +390,11 @@ class WeightReceiver:
         problem = self.problems(specs)
         if problem:
             raise UpdateRejected(problem)
-        wire.copy_all([self.shadow(s["name"]) for s in specs], [wire.view(flat, s["offset"], s) for s in specs])
+        if self.shadow_span(specs) is not None:  # shadows back to back: one copy of the whole bucket
+            targets = [self._shadows[self._target_map()[s["name"]][0]] for s in specs]
+        else:
+            targets = [self.shadow(s["name"]) for s in specs]
+        wire.copy_bucket(targets, flat, specs)
         if flat.is_cuda:  # the sender rewrites its buffer once this call answers: the copy must be done
             torch.cuda.current_stream(flat.device).synchronize()
         return f"staged {len(specs)} tensors from a flattened bucket"

@@ -123,7 +123,14 @@ def _mm(a: Tensor, sa: Tensor, b_t: Tensor, sb_t: Tensor, fast_accum: bool = Fal
     keeps a stride of N along its size-1 dim that `.contiguous()` does not change."""
     if sa.dim():
         sa, sb_t = sa.reshape(-1)[:, None], sb_t.reshape(-1)[None, :]
-    return torch._scaled_mm(a, b_t.t(), scale_a=sa, scale_b=sb_t, out_dtype=GEMM_OUT, use_fast_accum=fast_accum)
+    try:
+        return torch._scaled_mm(a, b_t.t(), scale_a=sa, scale_b=sb_t, out_dtype=GEMM_OUT, use_fast_accum=fast_accum)
+    except RuntimeError as exc:
+        # torch before 2.13 has no rowwise scales on CPU (its mkldnn kernel is per-tensor only):
+        # the same product in float32, as that kernel computes it
+        if a.is_cuda or "per-tensor scaling for CPU" not in str(exc):
+            raise
+        return ((a.float() * sa) @ (b_t.float() * sb_t.t()).t()).to(GEMM_OUT)
 
 
 def forward_gemm(x: Tensor, w: Tensor, recipe: Fp8Recipe) -> tuple[Tensor, tuple[Tensor, ...]]:

@@ -222,3 +222,19 @@ def copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
         torch._foreach_copy_([targets[i] for i in same], [sources[i] for i in same])
     for i in sorted(set(range(len(targets))) - set(same)):
         targets[i].copy_(sources[i])
+
+
+def copy_bucket(targets: list[torch.Tensor], flat: torch.Tensor, specs: list[Spec]) -> None:
+    """targets[i] <- the tensor `specs[i]` at its byte `offset` of the uint8 buffer `flat`.
+    One copy of the whole span when the targets lie back to back in one storage and the
+    specs back to back in `flat`, all of one dtype (the engine's shadows after shadow_span:
+    measured on the H200, one multi-tensor copy of a 201-tensor 1 GB bucket took ~5 ms, one
+    copy of its span ~0.6 ms); else copy_all."""
+    into = span(targets)
+    offs = [int(x["offset"]) for x in specs]
+    sizes = [spec_nbytes(x) for x in specs]
+    if (into is not None and specs and all(offs[i] + sizes[i] == offs[i + 1] for i in range(len(specs) - 1))
+            and all(parse_dtype(x["dtype"]) == into.dtype for x in specs)):
+        into.view(torch.uint8).copy_(flat[offs[0]:offs[0] + sum(sizes)])
+        return
+    copy_all(targets, [view(flat, o, x) for o, x in zip(offs, specs)])

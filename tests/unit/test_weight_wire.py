@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 import pickle
 
@@ -134,6 +135,30 @@ def test_copy_all_copies_every_pair_converting_where_dtypes_differ() -> None:
     wire.copy_all(targets, sources)
     assert torch.equal(targets[0], sources[0]) and torch.equal(targets[2], sources[2])
     assert torch.equal(targets[1], sources[1].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("layout", ["back-to-back", "separate-targets", "gap-in-source", "other-dtype"])
+def test_copy_bucket_copies_each_tensor_whether_by_one_span_or_one_by_one(layout, monkeypatch) -> None:
+    shapes = [[3, 4], [5], [2, 2]]
+    specs, pos = [], 8
+    for i, shape in enumerate(shapes):
+        specs.append({"name": f"t{i}", "dtype": "float32", "shape": shape, "offset": pos})
+        pos += 4 * math.prod(shape) + (16 if layout == "gap-in-source" else 0)
+    flat = torch.randn((pos + 8) // 4).view(torch.uint8)  # finite floats wherever a tensor lies
+    dtype = torch.bfloat16 if layout == "other-dtype" else torch.float32
+    if layout == "separate-targets":
+        targets = [torch.empty(shape, dtype=dtype) for shape in shapes]
+    else:  # views of one buffer, in order (the engine's shadow span)
+        buf, targets, at = torch.empty(sum(math.prod(x) for x in shapes), dtype=dtype), [], 0
+        for shape in shapes:
+            targets.append(buf[at:at + math.prod(shape)].view(shape))
+            at += math.prod(shape)
+    calls = []
+    monkeypatch.setattr(wire, "copy_all", lambda t, s: calls.append(len(t)) or [a.copy_(b) for a, b in zip(t, s)])
+    wire.copy_bucket(targets, flat, specs)
+    assert calls == ([] if layout == "back-to-back" else [3])  # one span copy, or the general path
+    for target, spec in zip(targets, specs):
+        assert torch.equal(target, wire.view(flat, spec["offset"], spec).to(dtype))
 
 
 def test_an_engine_whose_weights_are_not_in_host_memory_refuses_the_shm_format() -> None:
