@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -102,6 +103,10 @@ def _check_epoch(jobs: StageJobs, recipe: Any, result: dict[str, Any]) -> None:
     result["resumed_exactly_once"] = killed and coverage.exactly_once and recipe.data.num_train_rows == num_prompts
 
 
+def _stop(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"stopped by signal {signum} (a time limit) while the run was in progress")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     out = Path(os.environ.get("OUT", "out"))
@@ -118,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         result.update(_figures(result))
         write_json_atomic(out / "gpu_arith.json", result)
 
+    signal.signal(signal.SIGTERM, _stop)  # a time limit (`timeout`) unwinds: stage logs are kept, teardown runs
     try:
         jobs = StageJobs(recipe, args.overrides, args.recipe, campaign, out / "logs")
         save()  # a run cut short in the build still says what it is
@@ -129,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         _run_blocks(jobs, recipe, result, save, kill)
         result["phases_s"].update({f"block_{b['block']}": b["wall_s"] for b in result["blocks"]})
         _check_epoch(jobs, recipe, result)
-    except Exception as e:  # the JSON says what failed; the stage logs say why
+    except (Exception, KeyboardInterrupt) as e:  # the JSON says what failed; the stage logs say why
         result["error"] = f"{type(e).__name__}: {e}"
         raise
     finally:
