@@ -25,7 +25,7 @@ class GroupReceiver:
 
     def __init__(self, receiver: WeightReceiver) -> None:
         self.receiver = receiver
-        self._groups: dict[str, tuple[Any, int]] = {}  # name → (group, streams)
+        self._groups: dict[str, tuple[Any, int, str]] = {}  # name → (group, streams, backend)
         self._broken: dict[str, str] = {}
         self._flat: torch.Tensor | None = None  # reused receive buffer of flattened buckets
 
@@ -35,7 +35,7 @@ class GroupReceiver:
             return 400, f"group {group_name} exists: destroy it first"
         pg = groups.init_weight_group(address, port, rank, world_size, group_name, self.receiver.group_timeout_s,
                                       backend, streams)
-        self._groups[group_name] = (pg, streams)
+        self._groups[group_name] = (pg, streams, backend)
         return 200, f"joined {group_name} as rank {rank} of {world_size} ({streams} stream(s))"
 
     def destroy(self, group_name: str) -> tuple[int, str]:
@@ -54,13 +54,14 @@ class GroupReceiver:
         if entry is None or group_name in self._broken:
             raise ValueError(f"group {group_name} is {'broken' if entry else 'unknown'}: "
                              "/destroy_weights_update_group and init it again")
-        pg, streams = entry
+        pg, streams, backend = entry
         problem = self.receiver.problems(specs)
+        via_host = backend == "gloo" and self._device().type != "cpu"  # gloo moves host memory only
         try:
             if flattened:
-                self._receive_flat(specs, pg, streams, problem is None)
+                self._receive_flat(specs, pg, streams, problem is None, via_host)
             else:
-                self._receive_each(specs, pg, problem is None)
+                self._receive_each(specs, pg, problem is None, via_host)
         except Exception as exc:
             self._broken[group_name] = str(exc)
             raise
@@ -68,35 +69,42 @@ class GroupReceiver:
             raise ValueError(problem)
         return f"staged {len(specs)} tensors from group {group_name}"
 
-    def _receive_flat(self, specs: list[wire.Spec], pg: Any, streams: int, keep: bool) -> None:
+    def _receive_flat(self, specs: list[wire.Spec], pg: Any, streams: int, keep: bool, via_host: bool) -> None:
         """The bucket's bytes in groups.flat_pieces: straight into the shadows laid out back
-        to back (receiver.shadow_span), else into a reused buffer, then copied to them."""
+        to back (receiver.shadow_span), else into a reused buffer, then copied to them.
+        `via_host`: a gloo group and weights on a GPU: always the buffer, in host memory."""
         dtypes = {s["dtype"] for s in specs}
         if len(dtypes) != 1:  # the group is still in step: nothing was received
             raise ValueError(f"a flattened bucket holds one dtype, got {sorted(dtypes)}")
-        flat = self.receiver.shadow_span(specs) if keep else None
+        flat = self.receiver.shadow_span(specs) if keep and not via_host else None
         offs, total = wire.offsets(specs)
         staged = flat is None  # then received into the reused buffer, copied to the shadows after
         if flat is None:
-            if self._flat is None or self._flat.numel() < total:
-                self._flat = torch.empty(total, dtype=torch.uint8, device=self._device())
+            device = torch.device("cpu") if via_host else self._device()
+            if self._flat is None or self._flat.numel() < total or self._flat.device != device:
+                self._flat = torch.empty(total, dtype=torch.uint8, device=device)
             flat = self._flat[:total].view(wire.parse_dtype(specs[0]["dtype"]))
         pieces = groups.flat_pieces(groups.as_sent(flat), streams)
         self._wait([dist.broadcast(p, src=0, group=pg, async_op=True) for p in pieces])
         if keep and staged:
             buffer = self._flat
             assert buffer is not None  # the staged branch above made it
-            for s, o in zip(specs, offs):
-                self.receiver.shadow(s["name"]).copy_(wire.view(buffer, o, s))
+            placed = [{**s, "offset": o} for s, o in zip(specs, offs)]
+            if self.receiver.shadow_span(specs) is not None:
+                targets = [self.receiver.shadow_of(s["name"]) for s in specs]
+            else:
+                targets = [self.receiver.shadow(s["name"]) for s in specs]
+            wire.copy_bucket(targets, buffer, placed)
 
-    def _receive_each(self, specs: list[wire.Spec], pg: Any, keep: bool) -> None:
-        """One broadcast per tensor, straight into its shadow when the dtypes match."""
+    def _receive_each(self, specs: list[wire.Spec], pg: Any, keep: bool, via_host: bool) -> None:
+        """One broadcast per tensor, straight into its shadow when the dtypes match (and the
+        group can write where it lives: `via_host` receives into host memory first)."""
         bufs, works = [], []
         for s in specs:
             dtype = wire.parse_dtype(s["dtype"])
             target = self.receiver.shadow(s["name"]) if keep else None
-            if target is None or target.dtype != dtype:  # receive as sent, convert after
-                target = torch.empty(s["shape"], dtype=dtype, device=self._device())
+            if target is None or target.dtype != dtype or via_host:  # receive as sent, convert after
+                target = torch.empty(s["shape"], dtype=dtype, device="cpu" if via_host else self._device())
             bufs.append(target)
             works.append(dist.broadcast(groups.as_sent(target), src=0, group=pg, async_op=True))
         self._wait(works)

@@ -354,6 +354,10 @@ class WeightReceiver:
         self.stage(name, buf, None)
         return buf
 
+    def shadow_of(self, name: str) -> torch.Tensor:
+        """The shadow staged for `name` (after shadow or shadow_span)."""
+        return self._shadows[self._target_map()[name][0]]
+
     def shadow_span(self, specs: list[wire.Spec]) -> torch.Tensor | None:
         """The shadows of a flattened bucket (which fits the model) as one flat tensor,
         staged, to receive into with no copy. Shadows not yet back to back in `specs` order
@@ -391,7 +395,7 @@ class WeightReceiver:
         if problem:
             raise UpdateRejected(problem)
         if self.shadow_span(specs) is not None:  # shadows back to back: one copy of the whole bucket
-            targets = [self._shadows[self._target_map()[s["name"]][0]] for s in specs]
+            targets = [self.shadow_of(s["name"]) for s in specs]
         else:
             targets = [self.shadow(s["name"]) for s in specs]
         wire.copy_bucket(targets, flat, specs)

@@ -154,8 +154,10 @@ def add_weight_routes(app: FastAPI, sched: Scheduler, receiver: WeightReceiver) 
     async def init_group(request: Request) -> Any:
         def handle(b: dict) -> Reply:
             backend = _field(b, "backend", str, "nccl")
-            if backend != "gloo":
-                raise FieldError(f"the built-in engine runs on CPU: `backend` must be gloo, got {backend}")
+            device = sched.device_type()
+            if backend not in ("gloo", "nccl") or (backend == "nccl" and device != "cuda"):
+                allowed = "gloo or nccl" if device == "cuda" else "gloo"
+                raise FieldError(f"this built-in engine runs on {device}: `backend` must be {allowed}, got {backend}")
             streams = _field(b, "gloo_streams", int, 1)  # milepost's extension; SGLang has one stream
             check_streams(streams)  # ValueError: a 400 like a FieldError
             return receiver.groups.init(_field(b, "master_address", str), _field(b, "master_port", int),

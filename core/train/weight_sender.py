@@ -118,7 +118,7 @@ class WeightSender:
         self._sglang_buffers: dict[int, torch.Tensor] = {}  # bucket → shared buffer (SGLang's format)
         self._cuda_buffers: dict[int, torch.Tensor] = {}  # bucket → CUDA buffer (milepost's CUDA format)
         self._cuda_exports: dict[tuple[int, int, int], dict[str, Any]] = {}  # (storage, bytes, reader) → export
-        self._groups: dict[str, tuple[Any, int]] = {}  # name → (group, streams)
+        self._groups: dict[str, tuple[Any, int, str]] = {}  # name → (group, streams, backend)
         self._flat: torch.Tensor | None = None
         self._swept = False
 
@@ -328,34 +328,37 @@ class WeightSender:
             raise ValueError(f"weight-update group {group_name} exists; destroy it first")
         pg = groups.init_weight_group(master_address, master_port, 0, world_size, group_name, timeout_s, backend,
                                       streams)
-        self._groups[group_name] = (pg, streams)
+        self._groups[group_name] = (pg, streams, backend)
 
     def broadcast(self, names: list[str], group_name: str, flattened: bool) -> None:
         """Broadcast one bucket from rank 0; returns when every engine has it (or the
         group's timeout raises). Flattened: the bucket's bytes in groups.flat_pieces, sent
         straight from the weights when they lie back to back (pack_parameters), else from a
         reused staging buffer."""
-        pg, streams = self._groups[group_name]
+        pg, streams, backend = self._groups[group_name]
         pairs = self._gather(names)
+        host = backend == "gloo"  # gloo moves host memory only: weights on a GPU go through it
         if flattened:
-            tensors = groups.flat_pieces(groups.as_sent(self._flat_bucket(pairs)), streams)
+            tensors = groups.flat_pieces(groups.as_sent(self._flat_bucket(pairs, host)), streams)
         else:
-            tensors = [groups.as_sent(t.contiguous()) for _, t in pairs]
+            tensors = [groups.as_sent(t.contiguous().cpu() if host else t.contiguous()) for _, t in pairs]
         for w in [dist.broadcast(t, src=0, group=pg, async_op=True) for t in tensors]:
             w.wait()
 
-    def _flat_bucket(self, pairs: list[tuple[wire.Spec, torch.Tensor]]) -> torch.Tensor:
+    def _flat_bucket(self, pairs: list[tuple[wire.Spec, torch.Tensor]], host: bool) -> torch.Tensor:
+        """The bucket's bytes as one tensor: the weights themselves where they lie back to back,
+        else a reused staging buffer; in host memory when `host` (a gloo group)."""
         specs = [s for s, _ in pairs]
         if len({s["dtype"] for s in specs}) != 1:
             raise ValueError("a flattened bucket must hold one dtype (plan it with buckets())")
         flat = wire.span([t for _, t in pairs])
         if flat is not None:
-            return flat
+            return flat.cpu() if host else flat
         offs, total = wire.offsets(specs)
-        if self._flat is None or self._flat.numel() < total:
-            self._flat = torch.empty(total, dtype=torch.uint8)
-        for (spec, t), o in zip(pairs, offs):
-            wire.view(self._flat, o, spec).copy_(t)
+        device = torch.device("cpu") if host or not pairs else pairs[0][1].device
+        if self._flat is None or self._flat.numel() < total or self._flat.device != device:
+            self._flat = torch.empty(total, dtype=torch.uint8, device=device)
+        wire.copy_all([wire.view(self._flat, o, spec) for (spec, _), o in zip(pairs, offs)], [t for _, t in pairs])
         return self._flat[:total].view(wire.parse_dtype(specs[0]["dtype"]))
 
     def destroy_group(self, group_name: str) -> None:
