@@ -81,6 +81,8 @@ def warmstart(model: Any, tokenizer: Any, rows: list[dict[str, str]], targets: l
     model.train()
     for step in range(schedule.steps):
         x, m = batch(rows[step * bs:(step + 1) * bs], targets[step * bs:(step + 1) * bs], tokenizer)
+        if cuda:  # from pageable memory a copy waits for the device: the host could never run ahead
+            x, m = x.pin_memory(), m.pin_memory()
         x, m = x.to(device, non_blocking=True), m.to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
             loss = _masked_nll(model, x, m, aux_loss_coef)
