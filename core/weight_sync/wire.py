@@ -238,3 +238,14 @@ def copy_bucket(targets: list[torch.Tensor], flat: torch.Tensor, specs: list[Spe
         into.view(torch.uint8).copy_(flat[offs[0]:offs[0] + sum(sizes)])
         return
     copy_all(targets, [view(flat, o, x) for o, x in zip(offs, specs)])
+
+
+def pack_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> int:
+    """flat (1-D uint8) <- the tensors' bytes back to back from its start (`offsets` order), by
+    one concatenation with `out=` (a batched copy kernel: the trainer's side of a bucket,
+    where a multi-tensor copy of 201 tensors took ~5 ms on the H200 against ~0.6 ms for one
+    copy of the same bytes). Returns the bytes written. Every tensor is on flat's device."""
+    pieces = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    total = sum(p.numel() for p in pieces)
+    torch.cat(pieces, out=flat[:total])
+    return total

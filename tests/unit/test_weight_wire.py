@@ -161,6 +161,19 @@ def test_copy_bucket_copies_each_tensor_whether_by_one_span_or_one_by_one(layout
         assert torch.equal(target, wire.view(flat, spec["offset"], spec).to(dtype))
 
 
+def test_pack_into_lays_every_dtype_back_to_back_as_offsets_says() -> None:
+    tensors = [torch.randn(3, 4), torch.randn(5).to(torch.bfloat16), torch.randn(2, 8).to(torch.float8_e4m3fn),
+               torch.tensor(7, dtype=torch.int64), torch.randn(6, 4)[:, 1]]  # a 0-d and a strided one too
+    specs = [{"name": str(i), "dtype": wire.dtype_name(t.dtype), "shape": list(t.shape)} for i, t in enumerate(tensors)]
+    offs, total = wire.offsets(specs)
+    flat = torch.zeros(total + 16, dtype=torch.uint8)
+    assert wire.pack_into(flat, tensors) == total
+    for t, spec, o in zip(tensors, specs, offs):
+        raw = t.contiguous().reshape(-1).view(torch.uint8)
+        assert torch.equal(flat[o:o + wire.spec_nbytes(spec)], raw)
+    assert not flat[total:].any()
+
+
 def test_an_engine_whose_weights_are_not_in_host_memory_refuses_the_shm_format() -> None:
     """Served in place means host memory; a GPU engine does not announce the format, and a
     descriptor sent anyway is refused before any file is opened (meta tensors stand in for
