@@ -184,15 +184,19 @@ def engine(conn, specs: list[wire.Spec], keep_mappings: bool) -> None:
     conn.send({k: v / max(pushes, 1) for k, v in phases.items()})
 
 
-def device_copy_s(nbytes: int, repeats: int = 5) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+def device_copy_s(nbytes: int, repeats: int = 5, device: str = "cuda") -> float:
+    """Seconds of one copy of `nbytes` within the device's memory (the floor pushes are held to)."""
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     for _ in range(repeats):
         dst.copy_(src)
-    torch.cuda.synchronize()
+    sync()
     return (time.perf_counter() - start) / repeats
 
 

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cuda_ipc_sync import device_copy_s
 from weight_sync import start_engine
 
 from milepost.core.train.weight_sender import pack_parameters
@@ -40,11 +41,6 @@ from milepost.core.weight_sync import DistributedTransport, TensorTransport
 
 PROMPTS = [[3, 4, 5, 6], [7, 8, 9]]
 DEVICE = "cuda"  # --device cpu: a smoke run of this script on a machine without a GPU (no figures)
-
-
-def _sync() -> None:
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 
 
@@ -58,18 +54,6 @@ def qwen2_05b(seed: int, layers: int, device: str) -> torch.nn.Module:
         return Qwen2ForCausalLM(cfg).to(torch.bfloat16).eval()
 
 
-def device_copy_s(nbytes: int, repeats: int = 10) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    _sync()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        dst.copy_(src)
-    _sync()
-    return (time.perf_counter() - start) / repeats
-
-
 def _device_name() -> str:
     return torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke run, no figures)"
 
@@ -79,7 +63,7 @@ def timed(transport: Any, client: Any, source: Any, pushes: int, tag: str, nbyte
     first = transport.push([client], "", f"{tag}-warm", backend=source)["sync/seconds"]
     rows = []
     for i in range(pushes):
-        copy_s = device_copy_s(nbytes)
+        copy_s = device_copy_s(nbytes, repeats=10, device=DEVICE)
         m = transport.push([client], "", f"{tag}-{i}", backend=source)
         rows.append({"s": m["sync/seconds"], "send_s": m["sync/send_seconds"], "copy_s": copy_s})
     med = {k: statistics.median(r[k] for r in rows) for k in ("s", "send_s", "copy_s")}

@@ -90,11 +90,7 @@ class GroupReceiver:
             buffer = self._flat
             assert buffer is not None  # the staged branch above made it
             placed = [{**s, "offset": o} for s, o in zip(specs, offs)]
-            if self.receiver.shadow_span(specs) is not None:
-                targets = [self.receiver.shadow_of(s["name"]) for s in specs]
-            else:
-                targets = [self.receiver.shadow(s["name"]) for s in specs]
-            wire.copy_bucket(targets, buffer, placed)
+            wire.copy_bucket(self.receiver.staging_targets(specs), buffer, placed)
 
     def _receive_each(self, specs: list[wire.Spec], pg: Any, keep: bool, via_host: bool) -> None:
         """One broadcast per tensor, straight into its shadow when the dtypes match (and the

@@ -354,10 +354,6 @@ class WeightReceiver:
         self.stage(name, buf, None)
         return buf
 
-    def shadow_of(self, name: str) -> torch.Tensor:
-        """The shadow staged for `name` (after shadow or shadow_span)."""
-        return self._shadows[self._target_map()[name][0]]
-
     def shadow_span(self, specs: list[wire.Spec]) -> torch.Tensor | None:
         """The shadows of a flattened bucket (which fits the model) as one flat tensor,
         staged, to receive into with no copy. Shadows not yet back to back in `specs` order
@@ -394,14 +390,21 @@ class WeightReceiver:
         problem = self.problems(specs)
         if problem:
             raise UpdateRejected(problem)
-        if self.shadow_span(specs) is not None:  # shadows back to back: one copy of the whole bucket
-            targets = [self.shadow_of(s["name"]) for s in specs]
-        else:
-            targets = [self.shadow(s["name"]) for s in specs]
-        wire.copy_bucket(targets, flat, specs)
+        self._copy_staged(flat, specs)
+        return f"staged {len(specs)} tensors from a flattened bucket"
+
+    def _copy_staged(self, flat: torch.Tensor, specs: list[wire.Spec]) -> None:
+        """Copy `specs` (which fit the model) out of `flat` into staged shadows; done on return."""
+        wire.copy_bucket(self.staging_targets(specs), flat, specs)
         if flat.is_cuda:  # the sender rewrites its buffer once this call answers: the copy must be done
             torch.cuda.current_stream(flat.device).synchronize()
-        return f"staged {len(specs)} tensors from a flattened bucket"
+
+    def staging_targets(self, specs: list[wire.Spec]) -> list[torch.Tensor]:
+        """The staged shadows of `specs` (which fit the model), laid back to back where the
+        dtypes allow (shadow_span), so wire.copy_bucket copies the bucket as one span."""
+        if self.shadow_span(specs) is not None:
+            return [self._shadows[self._target_map()[s["name"]][0]] for s in specs]
+        return [self.shadow(s["name"]) for s in specs]
 
     # ---- tensor transport, milepost's CUDA format: a trainer storage mapped once, copied into shadows ----
     def load_cuda(self, descriptor: dict[str, Any]) -> str:
@@ -420,7 +423,7 @@ class WeightReceiver:
             storage = self._mapped.storage(descriptor)
         except (pickle.UnpicklingError, RuntimeError) as exc:  # not visible here, or a stale handle
             raise UpdateRejected(f"cannot map the trainer's CUDA storage: {exc}") from None
-        self.load_flat(storage, specs)
+        self._copy_staged(storage, specs)
         return f"staged {len(specs)} tensors from a mapped trainer storage ({len(self._mapped)} mapped)"
 
     # ---- tensor transport: the trainer's shm bucket files, used in place ----
