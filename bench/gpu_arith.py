@@ -81,15 +81,30 @@ def _run_blocks(jobs: StageJobs, recipe: Any, result: dict[str, Any], save: Call
             for stage in BLOCK_STAGES:
                 plan = kill if kill is not None and kill.block == block and stage is Stage.RUN_STEPS else None
                 entry["stages_s"][stage.value] = jobs.run(block, stage, kill=plan)
+                _progress(f"block {block} {stage.value}: {entry['stages_s'][stage.value]}")
                 save()
         finally:
             entry["stages_s"][Stage.TEARDOWN.value] = jobs.run(block, Stage.TEARDOWN)
             entry["wall_s"] = time.monotonic() - began
             entry["eval"] = jobs.store.block_eval(block)
             entry["where"] = jobs.where(block)
+            entry["steps"] = [_step_figures(row) for row in jobs.store.read_metrics(block)]
             if jobs.store.exists("base_eval.json"):  # start_engines of block 0 measured the base policy
                 result["base_eval"] = jobs.store.read_json("base_eval.json")
             save()
+
+
+def _step_figures(row: dict[str, Any]) -> dict[str, Any]:
+    """What a step's metrics say of its time and reward (the run's per-phase split)."""
+    return {k: v for k, v in row.items() if k == "step" or k.startswith("timing/") or k == "rollout/reward_mean"}
+
+
+def _progress(line: str) -> None:
+    """A line on stdout with the time since the run began (the device tool shows the tail)."""
+    print(f"[{time.monotonic() - _BEGAN:6.0f} s] {line}", flush=True)
+
+
+_BEGAN = time.monotonic()
 
 
 def _check_epoch(jobs: StageJobs, recipe: Any, result: dict[str, Any]) -> None:
@@ -129,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         save()  # a run cut short in the build still says what it is
         result["model"] = jobs.build_model()
         result["phases_s"]["build"] = result["model"]["wall_s"]
+        _progress(f"model built: {result['model']['report']}")
         save()
         kill = None if args.no_kill else KillPlan(block=args.kill_block)
         result["kill"] = kill.report if kill else None

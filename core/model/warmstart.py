@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from milepost.core.data.arith import either_form_correct
@@ -45,17 +46,31 @@ def _lr_factor(schedule: Schedule) -> Any:
     return factor
 
 
+def _char_table(tokenizer: Any) -> np.ndarray:
+    """byte -> id for a per-character tokenizer (the builtin models'): each one-character
+    token's id, and for any other byte the id the tokenizer gives an unknown character."""
+    table = np.full(256, tokenizer.unk_token_id, dtype=np.int64)
+    for token, index in tokenizer.get_vocab().items():
+        if len(token) == 1 and ord(token) < 256:
+            table[ord(token)] = index
+    return table
+
+
 def batch(rows: list[dict[str, str]], targets: list[str], tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """prompt + target + eos, right-padded; the mask selects target and eos tokens only.
-    Encoded a batch at a time (the ids are the per-row encoding's)."""
-    prompts = tokenizer([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]
-    answers = tokenizer(targets, add_special_tokens=False)["input_ids"]
-    ids = [p + a + [tokenizer.eos_token_id] for p, a in zip(prompts, answers)]
-    masks = [[0] * len(p) + [1] * (len(a) + 1) for p, a in zip(prompts, answers)]
-    width = max(map(len, ids))
-    x = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in ids])
-    m = torch.tensor([r + [0] * (width - len(r)) for r in masks], dtype=torch.float32)
-    return x, m
+    The builtin tokenizer gives one token per character, so a batch is encoded through a byte
+    table in numpy: the same ids as the tokenizer (tests/unit/test_warmstart_batch.py), at
+    ~1 ms instead of ~30 ms per 512 rows, which kept the GPU warm-start waiting on the host."""
+    texts = np.array([r["prompt"] + t for r, t in zip(rows, targets)], dtype=np.bytes_)  # ASCII sums
+    codes = texts.view(np.uint8).reshape(len(texts), -1)  # zero-padded to the longest
+    text_len = np.char.str_len(texts)
+    prompt_len = np.array([len(r["prompt"]) for r in rows])
+    column = np.arange(int(text_len.max()) + 1)[None, :]
+    x = np.full((len(texts), column.shape[1]), tokenizer.pad_token_id, dtype=np.int64)
+    x[:, :codes.shape[1]] = np.where(codes != 0, _char_table(tokenizer)[codes], tokenizer.pad_token_id)
+    x[np.arange(len(texts)), text_len] = tokenizer.eos_token_id
+    m = (column >= prompt_len[:, None]) & (column <= text_len[:, None])
+    return torch.from_numpy(x), torch.from_numpy(m.astype(np.float32))
 
 
 def _masked_nll(model: Any, x: torch.Tensor, m: torch.Tensor, aux_loss_coef: float) -> torch.Tensor:
