@@ -10,6 +10,9 @@ reap it and read its exit status.
 
 from __future__ import annotations
 
+import os
+import shlex
+import shutil
 import subprocess
 import threading
 import time
@@ -87,6 +90,33 @@ class LocalJobHandle(SubmititJobHandle):
         return super().wait(timeout_s, interval_s)
 
 
+def machine_gpu_view() -> dict[str, Any]:
+    """submitit's parameters for a job that sees the GPUs this process sees. submitit's local
+    executor sets a job's CUDA_VISIBLE_DEVICES to its `gpus_per_node` first devices, '' for
+    none, and a stage that asked for none (the block's stages do not: they share the machine)
+    then hid every GPU from the Ray head it started, so engines and ranks ran on the CPU
+    (found on the lent H100, 2026-12-05). Integer device lists are passed as `visible_gpus`;
+    any other form (GPU UUIDs, MIG) is exported as is by a setup line before the job."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return {"gpus_per_node": _nvidia_smi_count()}
+    devices = [d.strip() for d in visible.split(",") if d.strip()]
+    if all(d.isdigit() for d in devices):
+        return {"gpus_per_node": len(devices), "visible_gpus": tuple(int(d) for d in devices)}
+    return {"gpus_per_node": 0, "setup": [f"export CUDA_VISIBLE_DEVICES={shlex.quote(visible)}"]}
+
+
+def _nvidia_smi_count() -> int:
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.splitlines())
+
+
 class LocalExecutor:
     """Runs tasks as local processes, one machine, through the same interface as Slurm."""
 
@@ -110,7 +140,8 @@ class LocalExecutor:
         time_min = resources.time_min or self.default_time_min
         # `name` is Slurm's job name; local processes are found by the job id (pid).
         del name
+        gpus = ({"gpus_per_node": resources.gpus_per_node} if resources.gpus_per_node is not None
+                else machine_gpu_view())
         self._executor.update_parameters(
-            timeout_min=time_min, tasks_per_node=resources.tasks_per_node or 1,
-            gpus_per_node=resources.gpus_per_node or 0)
+            timeout_min=time_min, tasks_per_node=resources.tasks_per_node or 1, **gpus)
         return LocalJobHandle(self._executor.submit(fn, *args, **kwargs), time_min * 60.0)
