@@ -99,14 +99,15 @@ def machine_gpu_view() -> dict[str, Any]:
     any other form (GPU UUIDs, MIG) is exported as is by a setup line before the job."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
-        return {"gpus_per_node": _nvidia_smi_count()}
+        return {"gpus_per_node": nvidia_smi_gpu_count()}
     devices = [d.strip() for d in visible.split(",") if d.strip()]
     if all(d.isdigit() for d in devices):
         return {"gpus_per_node": len(devices), "visible_gpus": tuple(int(d) for d in devices)}
     return {"gpus_per_node": 0, "setup": [f"export CUDA_VISIBLE_DEVICES={shlex.quote(visible)}"]}
 
 
-def _nvidia_smi_count() -> int:
+def nvidia_smi_gpu_count() -> int:
+    """GPUs `nvidia-smi -L` lists; 0 without a driver."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return 0

@@ -9,7 +9,6 @@ when another cluster holds them: two campaigns on one machine never share a port
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -53,14 +52,8 @@ def local_gpu_count() -> int:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return 0
-    try:
-        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(line.startswith("GPU ") for line in out.splitlines())
+    from milepost.slurm.local import nvidia_smi_gpu_count
+    return nvidia_smi_gpu_count()
 
 
 def head_command(ports: RayPorts, temp_dir: str) -> list[str]:

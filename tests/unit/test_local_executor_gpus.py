@@ -28,7 +28,7 @@ def test_uuids_are_exported_before_the_job(monkeypatch):
 
 def test_unset_counts_what_nvidia_smi_lists(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.setattr(local, "_nvidia_smi_count", lambda: 2)
+    monkeypatch.setattr(local, "nvidia_smi_gpu_count", lambda: 2)
     assert machine_gpu_view() == {"gpus_per_node": 2}
 
 
