@@ -3,8 +3,10 @@
 # and writes under $OUT, so a step that fails or runs long leaves the others' results.
 # CALL_LIMIT_S (default 575) bounds a call.
 #   source bench/device_calls.sh arith     gpu-arith end to end (build, 2 blocks, a kill and resume)
-#   source bench/device_calls.sh figures   GPU tests, weight-sync benches, rollout precision, fp8 training
-call=${1:?arith or figures}
+#   source bench/device_calls.sh figures   fp8 training, rollout precision, GPU weight sync
+#   source bench/device_calls.sh tests     the GPU tests, the CUDA-IPC push bench, warm-start speed
+# Everything a call writes comes back in $OUT/results.tgz (and $OUT/steps.txt).
+call=${1:?arith, figures or tests}
 SECONDS=0
 left() { echo $(( ${CALL_LIMIT_S:-575} - SECONDS )); }
 step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log, say how it ended
@@ -20,16 +22,22 @@ echo "installed after ${SECONDS} s" | tee -a "$OUT/steps.txt"
 if [ "$call" = arith ]; then
   step gpu_arith $(( $(left) - 5 )) python3 bench/gpu_arith.py --campaign /tmp/gpu-arith-campaign
   tail -n 30 "$OUT/gpu_arith.log"
+elif [ "$call" = figures ]; then
+  # each mode in its own process (bench/fp8_training.py): mb=4 fits an 80 GB H100 (bf16 peak 49 GiB)
+  step fp8_training 340 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 bench/fp8_training.py \
+      --variant fuse=1,mb=4 --fp8-recipes tensorwise,rowwise --out "$OUT/fp8_training.txt"
+  step rollout_precision 90 python3 bench/rollout_precision.py
+  cp bench/results/rollout_precision_gpu.* "$OUT/" 2>/dev/null
+  step gpu_weight_sync 100 python3 bench/gpu_weight_sync.py --out "$OUT/gpu_weight_sync.txt"
 else
   step gpu_tests 150 python3 -m pytest -q -m gpu tests/gpu/test_fp8_linear_gpu.py tests/gpu/test_engine_gpu.py \
       tests/gpu/test_cuda_buffers_gpu.py -s
   step cuda_ipc_sync 60 python3 bench/cuda_ipc_sync.py --pushes 6
   cp bench/results/cuda_ipc_sync.txt "$OUT/" 2>/dev/null
-  step gpu_weight_sync 100 python3 bench/gpu_weight_sync.py --out "$OUT/gpu_weight_sync.txt"
-  step rollout_precision 90 python3 bench/rollout_precision.py
-  cp bench/results/rollout_precision_gpu.* "$OUT/" 2>/dev/null
-  step fp8_training 600 python3 bench/fp8_training.py --fp8-recipes tensorwise,rowwise,rowwise-gw-bf16 \
-      --out "$OUT/fp8_training.txt"
-  tail -n 4 "$OUT"/*.log
+  step warmstart_speed 150 python3 bench/warmstart_speed.py --out "$OUT/warmstart_speed_gpu.txt"
 fi
+tail -n 4 "$OUT"/*.log
 cat "$OUT/steps.txt"
+# A call brings back at most 8 files: everything but steps.txt travels as one archive.
+tar -C "$OUT" --exclude steps.txt -czf /tmp/results.tgz . && find "$OUT" -mindepth 1 ! -name steps.txt -delete \
+  && mv /tmp/results.tgz "$OUT/results.tgz"

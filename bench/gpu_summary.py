@@ -40,13 +40,15 @@ def _gpu_arith() -> dict:
     """From bench/gpu_arith.py's JSON (copied from the device run's $OUT into bench/results/)."""
     path = RESULTS / "gpu_arith.json"
     if not path.exists():
-        pending = "not measured yet: gpu-arith has not run on the H200 (issue 18)"
+        pending = "not measured yet: gpu-arith has not run on a GPU (issue 18)"
         return {key: {"value": None, "reason": pending} for key in GPU_ARITH_KEYS}
     run = json.loads(path.read_text())
     if run.get("device", "cpu").startswith("cpu"):
         raise SystemExit(f"{path} is a CPU run ({run.get('command')}); copy the device run's gpu_arith.json there")
     src = {"date": run["date"], "device": run["device"], "command": run["command"]}
-    return {key: {"value": run.get(key), **src} for key in GPU_ARITH_KEYS}
+    stopped = f"the run stopped before this was measured ({run.get('error', 'no error recorded')})"
+    return {key: {"value": run.get(key), **src, **({} if run.get(key) is not None else {"reason": stopped})}
+            for key in GPU_ARITH_KEYS}
 
 
 def main() -> None:

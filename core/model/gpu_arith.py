@@ -1,5 +1,5 @@
 """`builtin:gpu-arith`: tiny-arith's tokenizer and build on a ~76 M Qwen2, warm-started on
-three-digit additions, on a GPU when there is one (bf16 autocast, fused AdamW, batches of 512).
+three-digit additions, on a GPU when there is one (bf16 autocast, fused AdamW, batches of 2048).
 
 What RL is for here is the arithmetic itself, not the answer's form. Of the warm-start rows
 whose sum carries, a seeded `warmstart_carry_error_fraction` (0.6) are answered with every

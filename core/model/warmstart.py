@@ -27,6 +27,10 @@ class Schedule:
     batch_size: int
     lr: float
     warmup_steps: int = 0
+    # CUDA only: pad every batch to one length and run forward and backward through
+    # torch.compile, so the ~1,100 small kernels of an eager 12-layer step become a few fused
+    # ones (bench/warmstart_speed.py measures both). Ignored on the CPU.
+    compile: bool = False
 
 
 def train_device(prefer_cuda: bool) -> torch.device:
@@ -56,8 +60,10 @@ def _char_table(tokenizer: Any) -> np.ndarray:
     return table
 
 
-def batch(rows: list[dict[str, str]], targets: list[str], tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """prompt + target + eos, right-padded; the mask selects target and eos tokens only.
+def batch(rows: list[dict[str, str]], targets: list[str], tokenizer: Any, length: int | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """prompt + target + eos, right-padded (to `length` when given, else to the longest); the
+    mask selects target and eos tokens only.
     The builtin tokenizer gives one token per character, so a batch is encoded through a byte
     table in numpy: the same ids as the tokenizer (tests/unit/test_warmstart_batch.py), at
     ~1 ms instead of ~30 ms per 512 rows, which kept the GPU warm-start waiting on the host."""
@@ -65,7 +71,7 @@ def batch(rows: list[dict[str, str]], targets: list[str], tokenizer: Any) -> tup
     codes = texts.view(np.uint8).reshape(len(texts), -1)  # zero-padded to the longest
     text_len = np.char.str_len(texts)
     prompt_len = np.array([len(r["prompt"]) for r in rows])
-    column = np.arange(int(text_len.max()) + 1)[None, :]
+    column = np.arange(max(int(text_len.max()) + 1, length or 0))[None, :]
     x = np.full((len(texts), column.shape[1]), tokenizer.pad_token_id, dtype=np.int64)
     x[:, :codes.shape[1]] = np.where(codes != 0, _char_table(tokenizer)[codes], tokenizer.pad_token_id)
     x[np.arange(len(texts)), text_len] = tokenizer.eos_token_id
@@ -89,18 +95,22 @@ def warmstart(model: Any, tokenizer: Any, rows: list[dict[str, str]], targets: l
     load-balancing loss, so every expert keeps being used and routing stays a real choice."""
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
+    compiled = cuda and schedule.compile
+    nll = torch.compile(_masked_nll, dynamic=False) if compiled else _masked_nll
+    # One shape for every batch, so the compiled step is built once.
+    length = max(len(r["prompt"]) + len(t) for r, t in zip(rows, targets)) + 1 if compiled else None
     opt = torch.optim.AdamW(model.parameters(), lr=schedule.lr, fused=True if cuda else None)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_factor(schedule))
     loss = torch.tensor(float("nan"))
     bs = schedule.batch_size
     model.train()
     for step in range(schedule.steps):
-        x, m = batch(rows[step * bs:(step + 1) * bs], targets[step * bs:(step + 1) * bs], tokenizer)
+        x, m = batch(rows[step * bs:(step + 1) * bs], targets[step * bs:(step + 1) * bs], tokenizer, length)
         if cuda:  # from pageable memory a copy waits for the device: the host could never run ahead
             x, m = x.pin_memory(), m.pin_memory()
         x, m = x.to(device, non_blocking=True), m.to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-            loss = _masked_nll(model, x, m, aux_loss_coef)
+            loss = nll(model, x, m, aux_loss_coef)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -45,3 +45,17 @@ def test_a_character_outside_the_vocabulary_gets_the_tokenizers_unknown_id():
     x, m = batch(rows, targets, tokenizer)
     want_x, want_m = _by_tokenizer(rows, targets, tokenizer)
     assert torch.equal(x, want_x) and torch.equal(m, want_m)
+
+
+def test_a_batch_padded_to_a_fixed_length_has_the_same_rows_and_masks_only_padding_out():
+    """The compiled warm-start pads every batch to one length (one compiled shape); the extra
+    columns are padding the loss ignores, and the model is causal, so the loss is unchanged."""
+    tokenizer = tiny.build_tokenizer()
+    rows = [{"prompt": "12+3="}, {"prompt": "999+999="}]
+    targets = ["15", "1998"]
+    x, m = batch(rows, targets, tokenizer)
+    padded_x, padded_m = batch(rows, targets, tokenizer, length=x.shape[1] + 5)
+    assert padded_x.shape == (2, x.shape[1] + 5)
+    assert torch.equal(padded_x[:, :x.shape[1]], x) and torch.equal(padded_m[:, :x.shape[1]], m)
+    assert (padded_x[:, x.shape[1]:] == tokenizer.pad_token_id).all() and padded_m[:, x.shape[1]:].sum() == 0
+    assert torch.equal(batch(rows, targets, tokenizer, length=2)[0], x)  # never shorter than the rows
