@@ -25,7 +25,7 @@ if [ "$call" = arith ]; then
 elif [ "$call" = figures ]; then
   # each mode in its own process (bench/fp8_training.py): mb=4 fits an 80 GB H100 (bf16 peak 49 GiB)
   step fp8_training 340 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 bench/fp8_training.py \
-      --variant fuse=1,mb=4 --fp8-recipes tensorwise,rowwise --out "$OUT/fp8_training.txt"
+      --variant fuse=1,mb=4 --fp8-recipes tensorwise,rowwise --profile "$OUT/fp8_profile.txt" --out "$OUT/fp8_training.txt"
   step rollout_precision 90 python3 bench/rollout_precision.py
   cp bench/results/rollout_precision_gpu.* "$OUT/" 2>/dev/null
   step gpu_weight_sync 100 python3 bench/gpu_weight_sync.py --out "$OUT/gpu_weight_sync.txt"

@@ -86,12 +86,15 @@ def run_mode(folder: str, name: str, batches: list[list[Any]], args: argparse.Na
             mfu.sync()
             times.append(time.perf_counter() - t0)
             nll.append(out["metrics"]["train/engine_logprob_absdiff_sum"] / tokens)
-        phases = mfu.phase_times(worker, lambda: worker.train(batches[0], float(sum(sum(s.loss_mask)
-                                                                                   for s in batches[0]))))
+        def one_step() -> None:
+            worker.train(batches[0], float(sum(sum(s.loss_mask) for s in batches[0])))
+        phases = mfu.phase_times(worker, one_step)
+        # one more step under the profiler: how busy the GPU is, and on what (is fp8 host-bound?)
+        profile = mfu.profile_step(one_step, Path(args.profile), name) if args.profile else []
         timed = times[args.warmup:] or times
         return {"recipe": asdict(recipe) if recipe else None, "fp8_linear_layers": fp8_layers,
                 "s_per_step": sum(timed) / len(timed), "step_times": times, "nll": nll,
-                "peak_gib": mfu.peak_gib(), "phases": phases}
+                "peak_gib": mfu.peak_gib(), "phases": phases, "profile": profile}
     finally:
         worker.shutdown()
         mfu.empty_cache()
@@ -184,6 +187,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=4, help="fixed batches, cycled")
     ap.add_argument("--lr", type=float, default=2e-5)
     default_out = "bench/results/fp8_training" + ("" if mfu.DEVICE == "cuda" else "_cpu") + ".txt"
+    ap.add_argument("--profile", default="", help="profile one more step of each mode: summary lines in --out, "
+                    "each mode's top kernels and idle gaps appended to this file")
     ap.add_argument("--fp8-first", action="store_true",
                     help="run the fp8 modes before bf16 (a run cut short still has the fp8 numbers)")
     ap.add_argument("--out", default=default_out)
@@ -206,6 +211,8 @@ def main() -> None:
         try:
             results[name] = run_mode_apart(folder, name, batches, args)
             mfu.log(out, f"{name}: done, {results[name]['s_per_step']:.3f} s/step")
+            for line in results[name]["profile"]:
+                mfu.log(out, line)
         except Exception:  # noqa: BLE001  (recorded; the other modes still run)
             traceback.print_exc()
             mfu.log(out, f"{name} failed: {traceback.format_exc().splitlines()[-1]}")
