@@ -13,6 +13,7 @@ from typing import Any
 
 from milepost.core.records import Stage
 from milepost.tasks.context import StageContext
+from milepost.tasks.startup_timer import StartupTimer
 
 
 def start_engines(ctx: StageContext) -> dict[str, Any]:
@@ -25,7 +26,9 @@ def start_engines(ctx: StageContext) -> dict[str, Any]:
     from milepost.core.placement import placement_for
     from milepost.core.train.torch_backend import RANK_NUM_CPUS
 
+    timer = StartupTimer("start_engines")
     ctx.connect()
+    timer.mark("ray connected")
     leftovers = stop_fleet_actors()  # an earlier, killed attempt of this stage may have left some
     if leftovers:
         ctx.update(Stage.START_ENGINES, stopped_leftover_actors=leftovers)
@@ -43,6 +46,7 @@ def start_engines(ctx: StageContext) -> dict[str, Any]:
                         placement=placement_for(ctx.recipe, RANK_NUM_CPUS),
                         admin_key_path=ctx.engine_admin_key_path(), lora=lora, precision=ctx.recipe.precision.rollout,
                         served_dir=ctx.store.local_path("served"))
+    timer.mark("engines and router started")
     try:
         if lora is not None and latest:
             from milepost.core.fleet.fleet import FleetTransport
@@ -52,8 +56,11 @@ def start_engines(ctx: StageContext) -> dict[str, Any]:
         unhealthy = [url for url, ok in fleet.health_check().items() if not ok]
         if unhealthy:
             raise RuntimeError(f"engines failed their health check: {unhealthy}")
+        timer.mark("health check")
         if version == "0" and not ctx.store.exists("base_eval.json"):
             ctx.store.write_json("base_eval.json", record_base_eval(ctx.recipe, fleet, model_path))
+            timer.mark("base policy eval")
+        timer.report()
     except BaseException:
         fleet.stop()
         raise

@@ -30,6 +30,7 @@ from milepost.core.weight_sync import build_transport
 from milepost.core.weight_sync.lora_push import LoraTransport
 from milepost.tasks.block_summary import step_line
 from milepost.tasks.context import StageContext
+from milepost.tasks.startup_timer import StartupTimer
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ def _restore(ctx: StageContext, backend: TrainBackend) -> LoopState:
 
 
 def run_steps(ctx: StageContext) -> dict[str, Any]:
+    timer = StartupTimer("run_steps")
     recipe = ctx.recipe
     last_step = ctx.last_step()
     latest = ctx.checkpoints.latest_valid()
@@ -56,12 +58,14 @@ def run_steps(ctx: StageContext) -> dict[str, Any]:
     tokenizer = load_tokenizer(model_path)
     # With train.lora the checkpoint holds an adapter: the trainer starts from the base weights
     start_path = str(latest.path / "hf") if latest and ctx.recipe.train.lora is None else model_path
+    timer.mark("tokenizer")
     fleet = ctx.attach_fleet()  # connects to the block's Ray cluster first
+    timer.mark("fleet attached")
     served = ctx.checkpoints.step_of(fleet.served[0])
     if served is not None:  # a restarted engine launches from it: retention must keep it
         ctx.checkpoints.protect(served)
     try:
-        return _train(ctx, fleet, tokenizer, start_path)
+        return _train(ctx, fleet, tokenizer, start_path, timer)
     finally:
         fleet.detach()
 
@@ -74,7 +78,7 @@ def _rank_gpus(recipe: Recipe) -> list[float]:
     return [placement.rank_gpus(r) for r in range(recipe.train.num_ranks)]
 
 
-def _train(ctx: StageContext, fleet: Any, tokenizer: Any, start_path: str) -> dict[str, Any]:
+def _train(ctx: StageContext, fleet: Any, tokenizer: Any, start_path: str, timer: StartupTimer) -> dict[str, Any]:
     recipe, store, block, last_step = ctx.recipe, ctx.store, ctx.block, ctx.last_step()
     extensions = resolve_extensions(recipe)  # before the ranks start: a broken plugin costs nothing
     backend = create_backend(start_path, recipe.train, trainer_algo(recipe.algo),
@@ -82,9 +86,11 @@ def _train(ctx: StageContext, fleet: Any, tokenizer: Any, start_path: str) -> di
                              total_steps=recipe.campaign.num_blocks * recipe.campaign.steps_per_block,
                              placement_group=fleet.placement_group, precision=recipe.precision.train,
                              rank_gpus=_rank_gpus(recipe), rollout_precision=recipe.precision.rollout)
+    timer.mark("trainer ranks")
     sinks = open_sinks(recipe, store)
     try:
         state = _restore(ctx, backend)
+        timer.mark(f"checkpoint of step {state.step} restored" if state.step else "no checkpoint")
         record_train_start(store, block, state.step)
         rows = load_rows(recipe.data.train_path, recipe.data.prompt_key, recipe.data.label_key,
                          builtin_rows=recipe.data.num_train_rows, seed=recipe.seed)
@@ -128,6 +134,8 @@ def _train(ctx: StageContext, fleet: Any, tokenizer: Any, start_path: str) -> di
                       engines_asleep=transport.asleep if colocated else None, on_commit=on_commit,
                       filters=extensions.filters, hooks=extensions.hooks, routed_experts=moe)
         _serve_checkpoint(fleet, transport, _served_policy(ctx, backend, start_path), state.policy_version, backend)
+        timer.mark("engines serving the policy")
+        timer.report()
         loop.run_until(last_step)
         fleet.raise_if_failed()
         extensions.hooks.block_end(BlockInfo(block, block_first, last_step, loop.state.model_sha256),
