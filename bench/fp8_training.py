@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import queue as queues
 import sys
 import tempfile
 import time
@@ -111,12 +113,10 @@ def run_mode_apart(folder: str, name: str, batches: list[list[Any]], args: argpa
     """`run_mode` in a fresh process: a megatron worker's memory is not all given back at its
     shutdown in one process (on an 80 GB H100, fp8 after bf16 ran out of memory with ~22 GiB,
     bf16's parameters and Adam state, still held), so each mode starts from an empty GPU."""
-    import multiprocessing as mp
-    ctx = mp.get_context("spawn")
+    ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     child = ctx.Process(target=_child, args=(queue, folder, name, batches, args))
     child.start()
-    import queue as queues
     try:
         while True:
             try:

@@ -28,7 +28,7 @@ class Schedule:
     lr: float
     warmup_steps: int = 0
     # CUDA only: pad every batch to one length and run forward and backward through
-    # torch.compile, so the ~1,100 small kernels of an eager 12-layer step become a few fused
+    # torch.compile, so the many small kernels of an eager 12-layer step become fewer fused
     # ones (bench/warmstart_speed.py measures both). Ignored on the CPU.
     compile: bool = False
 
