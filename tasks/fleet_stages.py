@@ -34,6 +34,7 @@ def start_engines(ctx: StageContext) -> dict[str, Any]:
         ctx.update(Stage.START_ENGINES, stopped_leftover_actors=leftovers)
     latest = ctx.checkpoints.latest_valid()
     model_path = ctx.model_path()
+    timer.mark("model resolved")  # a builtin model is built here on first use
     lora = ctx.recipe.train.lora  # engines keep the base weights and load the checkpoint's adapter
     serve_path = str(latest.path / "hf") if latest and lora is None else model_path
     version = str(latest.state["policy_version"]) if latest else "0"
