@@ -218,7 +218,20 @@ done
 # In the background, so that a TERM (scancel) is trapped at once instead of after it.
 "$PYTHON" -m milepost.slurm.ray_join --address "$ADDRESS" --num-nodes "${#NODES[@]}" \
   --timeout-s "$JOIN_TIMEOUT_S" --publish "$ADDRESS_FILE" &
-wait "$!" || { echo "not every Ray node joined in ${JOIN_TIMEOUT_S}s" >&2; exit 1; }
+JOIN_PID=$!
+# A node whose step exits while the cluster forms (its raylet never registered, the node
+# went down) will never join: fail now, not after JOIN_TIMEOUT_S, so the launcher retries.
+while kill -0 "$JOIN_PID" 2>/dev/null; do
+  for pid in "${STEP_PIDS[@]}"; do
+    if ! kill -0 "$pid" 2>/dev/null; then
+      kill -TERM "$JOIN_PID" 2>/dev/null
+      echo "a Ray node's srun step exited before every node joined; stopping the allocation" >&2
+      exit 1
+    fi
+  done
+  sleep 1
+done
+wait "$JOIN_PID" || { echo "not every Ray node joined in ${JOIN_TIMEOUT_S}s" >&2; exit 1; }
 echo "Ray cluster of ${#NODES[@]} nodes up at $ADDRESS"
 # Hold the allocation until it is cancelled or a Ray node dies.
 wait -n "${STEP_PIDS[@]}"
