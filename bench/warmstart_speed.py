@@ -41,8 +41,11 @@ def run_variant(cfg: GpuArithConfig, batch_size: int, compiled: bool, steps: int
     task = gpu_arith.task(cfg)
     rows = task.rows((warmup + steps) * batch_size, 1000, "train")
     targets = task.targets(rows, cfg, 0)
-    tokens = sum(len(r["prompt"]) + len(t) + 1 for r, t in zip(rows, targets))
-    padded = len(rows) * (max(len(r["prompt"]) + len(t) for r, t in zip(rows, targets)) + 1)
+    lengths = [len(r["prompt"]) + len(t) + 1 for r, t in zip(rows, targets)]
+    tokens = sum(lengths)
+    # what the steps compute: one length for all (compiled), else each batch's longest row
+    padded = (len(rows) * max(lengths) if compiled else
+              sum(batch_size * max(lengths[i:i + batch_size]) for i in range(0, len(rows), batch_size)))
     times = []
     for count, first in ((warmup, 0), (steps, warmup * batch_size)):
         part = slice(first, first + count * batch_size)

@@ -10,6 +10,7 @@ reap it and read its exit status.
 
 from __future__ import annotations
 
+import functools
 import os
 import shlex
 import shutil
@@ -106,8 +107,10 @@ def machine_gpu_view() -> dict[str, Any]:
     return {"gpus_per_node": 0, "setup": [f"export CUDA_VISIBLE_DEVICES={shlex.quote(visible)}"]}
 
 
+@functools.cache
 def nvidia_smi_gpu_count() -> int:
-    """GPUs `nvidia-smi -L` lists; 0 without a driver."""
+    """GPUs `nvidia-smi -L` lists; 0 without a driver. Asked once per process: the machine's
+    GPUs do not change, and every local stage job's submission asks."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return 0
