@@ -13,7 +13,12 @@ Scaling (`Fp8Recipe.scaling`):
   (H100 / H200), which takes mat1 e4m3 or e5m2 and mat2 e4m3, and only bf16 output.
 - `tensorwise`: one scale per tensor (cuBLASLt's FP8 path, every FP8 GPU). One scale must
   cover a whole gradient tensor's range, so gradients go in e5m2 (range 2**-16..57344, 2
-  mantissa bits), Transformer Engine's HYBRID format; forward casts are reused in backward.
+  mantissa bits), Transformer Engine's HYBRID format. Each operand is cast once per
+  micro-batch: the forward's casts of x and w also write the transposed copies backward reads
+  (x^T for wgrad, w^T for dgrad), and the gradient is cast once for both its GEMMs
+  (`_scaled_mm` on CUDA reads mat1 row-major and mat2 column-major only, so every GEMM needs
+  its operands laid out for it; fused into a compiled cast, a transposed copy costs a write,
+  where an eager transpose of an fp8 tensor is another uncoalesced pass).
 Scales: `scale_inv = amax / FP8_MAX` (what `_scaled_mm` multiplies by: its scale_a / scale_b
 are dequantisation factors), amax clamped to 1e-12 so an all-zero row quantises to zeros.
 
@@ -85,28 +90,40 @@ def quantize(x: Tensor, dtype: torch.dtype, dim: int | None) -> tuple[Tensor, Te
     return q, amax / fmax
 
 
-def quantize_t(x: Tensor, dtype: torch.dtype, dim: int | None, transpose: bool) -> tuple[Tensor, Tensor]:
-    """`quantize`, and with `transpose` its q transposed to a contiguous [C, R] and its scale
-    transposed (the layout a backward GEMM reads; compiled, the copy fuses into the cast)."""
+Layout = Literal["row", "col", "both"]
+
+
+def quantize_t(x: Tensor, dtype: torch.dtype, dim: int | None, layout: Layout = "row") -> tuple[Tensor, ...]:
+    """`quantize` in the layout(s) the GEMMs read: "row" -> (q [R, C], s); "col" -> (q
+    transposed to a contiguous [C, R], s transposed); "both" -> (q, q_t, s), per tensor only
+    (dim None: one scale serves both). Compiled, each transposed copy fuses into the cast, so
+    a tensor is cast once for every GEMM that reads it instead of cast, then transposed eagerly
+    (an eager fp8 transpose is a separate, uncoalesced pass over the tensor)."""
     q, s = quantize(x, dtype, dim)
-    return (q.t().contiguous(), s.t()) if transpose else (q, s)
+    if layout == "row":
+        return q, s
+    if layout == "col":
+        return q.t().contiguous(), s.t()
+    if dim is not None:
+        raise ValueError("quantize_t: layout 'both' needs one scale per tensor (dim None)")
+    return q, q.t().contiguous(), s
 
 
 @functools.cache
-def _compiled_quantize(dtype: torch.dtype, dim: int | None, transpose: bool = False) -> Any:
-    """`quantize_t(·, dtype, dim, transpose)` compiled (a cache per combination: no recompiles
+def _compiled_quantize(dtype: torch.dtype, dim: int | None, layout: Layout = "row") -> Any:
+    """`quantize_t(·, dtype, dim, layout)` compiled (a cache per combination: no recompiles
     between them)."""
-    def quantize_one(x: Tensor) -> tuple[Tensor, Tensor]:
-        return quantize_t(x, dtype, dim, transpose)
+    def quantize_one(x: Tensor) -> tuple[Tensor, ...]:
+        return quantize_t(x, dtype, dim, layout)
     return torch.compile(quantize_one, dynamic=True)
 
 
 def cast(x: Tensor, dtype: torch.dtype, dim: int | None, recipe: Fp8Recipe,
-         transpose: bool = False) -> tuple[Tensor, Tensor]:
+         layout: Layout = "row") -> tuple[Tensor, ...]:
     """`quantize_t`, compiled on CUDA when `recipe.compile_casts` (Fp8Recipe)."""
     if recipe.compile_casts and x.is_cuda:
-        return _compiled_quantize(dtype, dim, transpose)(x)
-    return quantize_t(x, dtype, dim, transpose)
+        return _compiled_quantize(dtype, dim, layout)(x)
+    return quantize_t(x, dtype, dim, layout)
 
 
 def _pad_rows(x: Tensor) -> Tensor:
@@ -133,46 +150,81 @@ def _mm(a: Tensor, sa: Tensor, b_t: Tensor, sb_t: Tensor, fast_accum: bool = Fal
         return ((a.float() * sa) @ (b_t.float() * sb_t.t()).t()).to(GEMM_OUT)
 
 
-def forward_gemm(x: Tensor, w: Tensor, recipe: Fp8Recipe) -> tuple[Tensor, tuple[Tensor, ...]]:
-    """x: [M, K] (M a multiple of 16), w: [N, K] -> (y bf16 [M, N], what backward needs:
-    (x, w) for rowwise, their fp8 casts and scales for tensorwise)."""
-    dim = 1 if recipe.scaling == "rowwise" else None
-    xq, xs = cast(x, E4M3, dim, recipe)
-    wq, ws = cast(w, E4M3, dim, recipe)
-    y = _mm(xq, xs, wq, ws, recipe.fast_accum)
-    return y, ((x, w) if recipe.scaling == "rowwise" else (xq, xs, wq, ws))
+def _cast_per_tensor(t: Tensor, dtype: torch.dtype, recipe: Fp8Recipe,
+                     transposed_too: bool) -> tuple[Tensor, Tensor | None, Tensor]:
+    """One per-tensor cast of t: [R, C] -> (q [R, C], q^T [C, R] or None, scale_inv [])."""
+    if transposed_too:
+        q, q_t, s = cast(t, dtype, None, recipe, "both")
+        return q, q_t, s
+    q, s = cast(t, dtype, None, recipe)
+    return q, None, s
 
 
-def dgrad_gemm(g: Tensor, saved: tuple[Tensor, ...], recipe: Fp8Recipe) -> Tensor:
-    """g: [M, N] gradient of y -> bf16 [M, K] = g @ w."""
+def forward_gemm(x: Tensor, w: Tensor, recipe: Fp8Recipe, need_dgrad: bool = True,
+                 need_wgrad: bool = True) -> tuple[Tensor, tuple[Tensor | None, ...]]:
+    """x: [M, K] (M a multiple of 16), w: [N, K] -> (y bf16 [M, N], what backward needs).
+    rowwise: (x, w), recast in backward along the other dim. tensorwise: the forward casts in
+    the layouts backward reads, (x^T [K, M] for wgrad, its scale, w^T [K, N] for dgrad, its
+    scale), each made by the same cast as the forward operand; one no gradient needs is None."""
     if recipe.scaling == "rowwise":
+        xq, xs = cast(x, E4M3, 1, recipe)
+        wq, ws = cast(w, E4M3, 1, recipe)
+        return _mm(xq, xs, wq, ws, recipe.fast_accum), (x, w)
+    xq, xq_t, xs = _cast_per_tensor(x, E4M3, recipe, need_wgrad)
+    wq, wq_t, ws = _cast_per_tensor(w, E4M3, recipe, need_dgrad)
+    return _mm(xq, xs, wq, ws, recipe.fast_accum), (xq_t, xs, wq_t, ws)
+
+
+def grad_cast(g: Tensor, recipe: Fp8Recipe, need_dgrad: bool, need_wgrad: bool) -> tuple[Tensor | None, ...]:
+    """g: [M, N] -> what the gradient GEMMs read of it. tensorwise: one cast, (g_q [M, N] for
+    dgrad or None, g_q^T [N, M] for an fp8 wgrad or None, scale_inv). rowwise: (g,) (each GEMM
+    scales it along its own reduction dim, so each casts it)."""
+    if recipe.scaling == "rowwise":
+        return (g,)
+    fp8_wgrad = need_wgrad and recipe.wgrad_fp8
+    if need_dgrad and fp8_wgrad:
+        return cast(g, recipe.grad_dtype, None, recipe, "both")
+    gq, gs = cast(g, recipe.grad_dtype, None, recipe, "row" if need_dgrad else "col")
+    return (gq, None, gs) if need_dgrad else (None, gq, gs)
+
+
+def _made(*casts: Tensor | None) -> list[Tensor]:
+    """The casts a gradient GEMM reads, each made because that gradient is needed."""
+    made = [t for t in casts if t is not None]
+    if len(made) != len(casts):
+        raise RuntimeError("fp8_linear: a cast a gradient GEMM reads was not made (needs_input_grad changed?)")
+    return made
+
+
+def dgrad_gemm(gc: tuple[Tensor | None, ...], saved: tuple[Tensor | None, ...], recipe: Fp8Recipe) -> Tensor:
+    """`grad_cast`'s g: [M, N] -> bf16 [M, K] = g @ w."""
+    if recipe.scaling == "rowwise":
+        g, w = _made(gc[0], saved[1])
         gq, gs = cast(g, recipe.grad_dtype, 1, recipe)  # per token
-        wq_t, ws_t = cast(saved[1], E4M3, 0, recipe, transpose=True)  # per input feature: g @ w's columns
+        wq_t, ws_t = cast(w, E4M3, 0, recipe, "col")  # per input feature: g @ w's columns
         return _mm(gq, gs, wq_t, ws_t)
-    gq, gs = cast(g, recipe.grad_dtype, None, recipe)
-    _, _, wq, ws = saved
-    return _mm(gq, gs, wq.t().contiguous(), ws)
+    gq, gs, wq_t, ws = _made(gc[0], gc[2], saved[2], saved[3])
+    return _mm(gq, gs, wq_t, ws)
 
 
-def wgrad_gemm(g: Tensor, saved: tuple[Tensor, ...], recipe: Fp8Recipe) -> Tensor:
-    """g: [M, N] -> bf16 [N, K] = g.T @ x, reduced over the M tokens."""
+def wgrad_gemm(gc: tuple[Tensor | None, ...], saved: tuple[Tensor | None, ...], recipe: Fp8Recipe) -> Tensor:
+    """`grad_cast`'s g: [M, N] -> bf16 [N, K] = g.T @ x, reduced over the M tokens."""
     if recipe.scaling == "rowwise":
-        x = saved[0]
-        gq_t, gs_t = cast(g, recipe.grad_dtype, 0, recipe, transpose=True)  # per output feature, over tokens
-        xq_t, xs_t = cast(x, E4M3, 0, recipe, transpose=True)  # per input feature, over the tokens
+        g, x = _made(gc[0], saved[0])
+        gq_t, gs_t = cast(g, recipe.grad_dtype, 0, recipe, "col")  # per output feature, over tokens
+        xq_t, xs_t = cast(x, E4M3, 0, recipe, "col")  # per input feature, over the tokens
         return _mm(gq_t, gs_t, xq_t, xs_t)
-    xq, xs, _, _ = saved
-    gq, gs = cast(g, recipe.grad_dtype, None, recipe)
-    return _mm(gq.t().contiguous(), gs, xq.t().contiguous(), xs)
+    gq_t, gs, xq_t, xs = _made(gc[1], gc[2], saved[0], saved[1])
+    return _mm(gq_t, gs, xq_t, xs)
 
 
-def _bf16_wgrad(g: Tensor, saved: tuple[Tensor, ...], recipe: Fp8Recipe) -> Tensor:
+def _bf16_wgrad(g: Tensor, saved: tuple[Tensor | None, ...], recipe: Fp8Recipe) -> Tensor:
     """wgrad in bf16 (Fp8Recipe.wgrad_fp8 False): g: [M, N] -> [N, K]."""
     if recipe.scaling == "rowwise":
-        x = saved[0]
+        (x,) = _made(saved[0])
     else:
-        xq, xs = saved[0], saved[1]
-        x = xq.float() * xs
+        xq_t, xs = _made(saved[0], saved[1])
+        x = xq_t.t().float() * xs
     return g.to(GEMM_OUT).t().matmul(x.to(GEMM_OUT))
 
 
@@ -182,11 +234,14 @@ class Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, recipe: Fp8Recipe,
-                allreduce_dgrad: bool, tp_group: Any) -> Tensor:
+                allreduce_dgrad: bool, tp_group: Any, grad_on: bool = True) -> Tensor:
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
         m = x2.shape[0]
-        y, saved = forward_gemm(_pad_rows(x2), weight, recipe)
+        # grad_on: the caller's grad mode (forward itself runs without); under no_grad (the old
+        # policy's logprobs) no backward comes, so no transposed casts are made for it
+        need_dgrad, need_wgrad = grad_on and ctx.needs_input_grad[0], grad_on and ctx.needs_input_grad[1]
+        y, saved = forward_gemm(_pad_rows(x2), weight, recipe, need_dgrad, need_wgrad)
         ctx.save_for_backward(*saved)
         ctx.recipe, ctx.m, ctx.lead, ctx.allreduce_dgrad, ctx.tp_group = recipe, m, lead, allreduce_dgrad, tp_group
         ctx.x_dtype, ctx.w_dtype, ctx.has_bias = x.dtype, weight.dtype, bias is not None
@@ -200,19 +255,30 @@ class Fp8LinearFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         saved, recipe, m = ctx.saved_tensors, ctx.recipe, ctx.m
         g = _pad_rows(grad_out.reshape(m, -1))
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        gc = grad_cast(g, recipe, need_dgrad, need_wgrad)
         grad_x = grad_w = grad_b = None
         handle = None
-        if ctx.needs_input_grad[0]:
-            grad_x = dgrad_gemm(g, saved, recipe)[:m].to(ctx.x_dtype).reshape(*ctx.lead, -1)
+        if need_dgrad:
+            grad_x = dgrad_gemm(gc, saved, recipe)[:m].to(ctx.x_dtype).reshape(*ctx.lead, -1)
             if ctx.allreduce_dgrad:  # overlapped with wgrad, as megatron does
                 handle = torch.distributed.all_reduce(grad_x, group=ctx.tp_group, async_op=True)
-        if ctx.needs_input_grad[1]:
-            grad_w = (wgrad_gemm if recipe.wgrad_fp8 else _bf16_wgrad)(g, saved, recipe).to(ctx.w_dtype)
+        if need_wgrad:
+            grad_w = wgrad_gemm(gc, saved, recipe) if recipe.wgrad_fp8 else _bf16_wgrad(g, saved, recipe)
+            grad_w = grad_w.to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad_out.reshape(m, -1).sum(dim=0)
         if handle is not None:
             handle.wait()
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
+
+    @staticmethod
+    def run(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: Fp8Recipe, allreduce_dgrad: bool = False,
+            tp_group: Any = None) -> Tensor:
+        """`apply`, told the caller's grad mode."""
+        out: Tensor = Fp8LinearFunction.apply(x, weight, bias, recipe, allreduce_dgrad, tp_group,
+                                              torch.is_grad_enabled())
+        return out
 
 
 def bf16_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -234,4 +300,4 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, recipe: Fp
             raise ValueError(f"fp8_linear's bf16 fallback ({problem}) does not all-reduce dgrad; compute this "
                              "tensor-parallel layer with megatron's own linear")
         return bf16_linear(x, weight, bias)
-    return Fp8LinearFunction.apply(x, weight, bias, recipe, allreduce_dgrad, tp_group)
+    return Fp8LinearFunction.run(x, weight, bias, recipe, allreduce_dgrad, tp_group)

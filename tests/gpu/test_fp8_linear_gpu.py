@@ -53,9 +53,10 @@ def test_cuda_fp8_linear_matches_the_cpu_reference_kernel(name: str) -> None:
 
 def test_compiled_casts_equal_eager_casts_bit_for_bit_on_cuda() -> None:
     x = torch.randn(3000, 2048, device="cuda", dtype=torch.bfloat16) * 3
-    for dtype, dim, transpose in ((E4M3, 1, False), (E4M3, 0, True), (E5M2, None, False)):
-        q, s = _compiled_quantize(dtype, dim, transpose)(x)
-        q0, s0 = quantize_t(x, dtype, dim, transpose)
+    for dtype, dim, layout in ((E4M3, 1, "row"), (E4M3, 0, "col"), (E5M2, None, "row"), (E4M3, None, "both")):
+        *qs, s = _compiled_quantize(dtype, dim, layout)(x)
+        *qs0, s0 = quantize_t(x, dtype, dim, layout)
+        q, q0 = (torch.cat([t.reshape(-1).view(torch.uint8) for t in ts]) for ts in (qs, qs0))
         differ = q.view(torch.uint8) != q0.view(torch.uint8)
         ulps = (q.view(torch.uint8).int() - q0.view(torch.uint8).int()).abs().max().item()
         print(f"\n{dtype} dim {dim}: {differ.float().mean().item():.2e} of the bytes differ (at most {ulps} "

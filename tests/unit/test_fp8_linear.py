@@ -18,8 +18,10 @@ from milepost.core.quant.fp8_linear import (
     E5M2,
     Fp8Recipe,
     _compiled_quantize,
+    forward_gemm,
     fp8_linear,
     fp8_shape_problem,
+    grad_cast,
     quantize,
     quantize_t,
 )
@@ -181,10 +183,39 @@ def test_the_compiled_casts_the_gpu_uses_equal_the_eager_ones_bit_for_bit() -> N
     # Fp8Recipe.compile_casts compiles `quantize` on CUDA; compiled here on CPU (inductor) to
     # check the arithmetic is unchanged, on a token count that is not a multiple of anything
     x = torch.randn(77, 48, dtype=torch.bfloat16) * 5
-    for dtype, dim, transpose in ((E4M3, 0, True), (E5M2, None, False)):
-        q, s = _compiled_quantize(dtype, dim, transpose)(x)
-        q0, s0 = quantize_t(x, dtype, dim, transpose)
-        assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0)
+    for dtype, dim, layout in ((E4M3, 0, "col"), (E5M2, None, "row"), (E5M2, None, "both")):
+        *qs, s = _compiled_quantize(dtype, dim, layout)(x)
+        *qs0, s0 = quantize_t(x, dtype, dim, layout)
+        assert len(qs) == len(qs0) and torch.equal(s, s0)
+        assert all(torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) for q, q0 in zip(qs, qs0))
+
+
+def test_a_per_tensor_cast_in_both_layouts_is_the_row_cast_and_its_transpose() -> None:
+    x = torch.randn(40, 24) * 3
+    q, q_t, s = quantize_t(x, E4M3, None, "both")
+    q0, s0 = quantize(x, E4M3, None)
+    assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0)
+    assert q_t.is_contiguous() and torch.equal(q_t.view(torch.uint8), q0.t().view(torch.uint8))
+    with pytest.raises(ValueError, match="one scale per tensor"):
+        quantize_t(x, E4M3, 1, "both")
+
+
+def test_tensorwise_casts_each_operand_once_in_only_the_layouts_its_gradients_read() -> None:
+    x, w, _, grad = _inputs(m=32)
+    x2, g2, tensorwise = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1]), Fp8Recipe("tensorwise")
+    _, (xq_t, _, wq_t, _) = forward_gemm(x2, w, tensorwise, need_dgrad=True, need_wgrad=False)
+    assert xq_t is None and wq_t is not None and wq_t.shape == (w.shape[1], w.shape[0])
+    _, (xq_t, _, wq_t, _) = forward_gemm(x2, w, tensorwise, need_dgrad=False, need_wgrad=True)
+    assert wq_t is None and xq_t.shape == (x2.shape[1], x2.shape[0])
+    gq, gq_t, _ = grad_cast(g2, tensorwise, need_dgrad=True, need_wgrad=True)
+    assert gq.shape == g2.shape and gq_t.shape == g2.t().shape
+    assert grad_cast(g2, Fp8Recipe("tensorwise", wgrad_fp8=False), True, True)[1] is None
+    assert grad_cast(g2, tensorwise, need_dgrad=False, need_wgrad=True)[0] is None
+    # a frozen weight: the forward makes no x^T (no wgrad will read it)
+    xg = x.clone().requires_grad_()
+    y = fp8_linear(xg, w, None, tensorwise)
+    y.backward(grad)
+    assert xg.grad is not None and xg.grad.shape == x.shape
 
 
 def test_the_megatron_build_log_counts_each_bf16_fallback_reason_once() -> None:

@@ -62,7 +62,7 @@ def _fp8_forward_impl(self: Any, input: torch.Tensor, weight: torch.Tensor, bias
     if allreduce_dgrad and tp_group is None:
         from megatron.core.parallel_state import get_tensor_model_parallel_group
         tp_group = get_tensor_model_parallel_group()
-    return Fp8LinearFunction.apply(input, weight, bias, self.fp8_recipe, allreduce_dgrad, tp_group)
+    return Fp8LinearFunction.run(input, weight, bias, self.fp8_recipe, allreduce_dgrad, tp_group)
 
 
 @functools.cache
