@@ -620,6 +620,10 @@ class ClusterConfig(Section):
     max_block_retries: int = Field(
         1, ge=0, description="Times a block whose stage failed (a node lost, the allocation gone) is torn "
                              "down and launched again; train resumes from its last checkpoint.")
+    orphan_grace_s: int = Field(
+        1800, ge=10, description="slurm: a block's Ray allocation stops itself once no run has held the "
+                                 "campaign's lease for this long (its `milepost run` killed, or its Airflow "
+                                 "run gone, so teardown never came); a resumed campaign starts a new one.")
 
 
 class Recipe(Section):

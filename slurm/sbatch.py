@@ -85,6 +85,10 @@ class RayAllocationSpec(BaseModel):
     join_timeout_s: int = Field(600, ge=1)
     include_dashboard: bool = False
     env: dict[str, str] = Field(default_factory=dict, description="Exported to every Ray node.")
+    campaign_url: str | None = Field(
+        None, description="The campaign whose lease the allocation watches once up (tasks/lease_watch.py): "
+                          "it stops itself when no run has held that lease for `orphan_grace_s`. None: no watch.")
+    orphan_grace_s: int = Field(1800, ge=1)
 
     @field_validator("job_name", "log_dir")
     @classmethod
@@ -128,7 +132,8 @@ def shell_values(spec: RayAllocationSpec) -> list[str]:
         "GCS_PORT": p.gcs, "DASHBOARD_PORT": p.dashboard, "CLIENT_SERVER_PORT": p.client_server,
         "NODE_PORT_BASE": p.node_base, "MIN_WORKER_PORT": p.min_worker, "MAX_WORKER_PORT": p.max_worker,
         "NUM_GPUS_PER_NODE": spec.options.gpus_per_node, "JOIN_TIMEOUT_S": spec.join_timeout_s,
-        "INCLUDE_DASHBOARD": str(spec.include_dashboard).lower(),
+        "INCLUDE_DASHBOARD": str(spec.include_dashboard).lower(), "CAMPAIGN_URL": spec.campaign_url or "",
+        "ORPHAN_GRACE_S": spec.orphan_grace_s,
     }
     lines = [f"{k}={shlex.quote(str(v))}" for k, v in values.items()]
     lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(spec.env.items())]
@@ -152,6 +157,7 @@ export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
 mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 STEP_PIDS=()
 ADDRESS=""
+WATCH_PID=""
 
 node_ip() {  # this host's outgoing IPv4 literal: Ray and the router need IPs, not names
   "$PYTHON" -c 'import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -186,7 +192,7 @@ stop_ray() {  # only what this allocation started: its address file, its own sru
     rm -f -- "$ADDRESS_FILE"
   fi
   local pid
-  for pid in "${STEP_PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null; done
+  for pid in "${STEP_PIDS[@]}" $WATCH_PID; do kill -TERM "$pid" 2>/dev/null; done
   wait
 }
 trap stop_ray EXIT
@@ -233,8 +239,25 @@ while kill -0 "$JOIN_PID" 2>/dev/null; do
 done
 wait "$JOIN_PID" || { echo "not every Ray node joined in ${JOIN_TIMEOUT_S}s" >&2; exit 1; }
 echo "Ray cluster of ${#NODES[@]} nodes up at $ADDRESS"
-# Hold the allocation until it is cancelled or a Ray node dies.
-wait -n "${STEP_PIDS[@]}"
+# Hold the allocation until it is cancelled, a Ray node dies, or no run has held the
+# campaign's lease for ORPHAN_GRACE_S (its driver was killed and teardown never came:
+# milepost.tasks.lease_watch exits 0). A watch that fails is logged and dropped, never a
+# reason to stop a cluster in use.
+if [ -n "$CAMPAIGN_URL" ]; then
+  "$PYTHON" -m milepost.tasks.lease_watch --campaign "$CAMPAIGN_URL" --grace-s "$ORPHAN_GRACE_S" &
+  WATCH_PID=$!
+fi
+while true; do
+  wait -n "${STEP_PIDS[@]}" $WATCH_PID
+  rc=$?
+  if [ -z "$WATCH_PID" ] || kill -0 "$WATCH_PID" 2>/dev/null; then break; fi
+  if [ "$rc" -eq 0 ]; then
+    echo "no run holds campaign $CAMPAIGN_URL's lease; stopping the allocation" >&2
+    exit 0
+  fi
+  echo "the lease watch exited with status $rc; holding the allocation without it" >&2
+  WATCH_PID=""
+done
 echo "a Ray node exited; stopping the allocation" >&2
 exit 1
 """

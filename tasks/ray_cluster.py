@@ -89,7 +89,8 @@ def _submit_allocation(ctx: StageContext, attempt: int) -> tuple[str, Path]:
         job_name=f"mp-ray-b{ctx.block}", options=cluster.slurm.model_copy(update={"nodes": cluster.num_nodes}),
         ports=RayPorts.for_campaign(slot_id), log_dir=str(log_dir), address_file=str(address_file),
         python=sys.executable, ray_temp_root="/tmp", join_timeout_s=LAUNCH_TIMEOUT_S,
-        env=ray_auth_env(ctx.store))  # a token path on the shared store, never the token
+        env=ray_auth_env(ctx.store),  # a token path on the shared store, never the token
+        campaign_url=ctx.url, orphan_grace_s=cluster.orphan_grace_s)
     script = Path(ctx.block_path("ray.sbatch"))
     script.write_text(render_ray_allocation(spec))
     job_id = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True,

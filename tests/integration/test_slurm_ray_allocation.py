@@ -99,3 +99,50 @@ def _check_allocation(spec: RayAllocationSpec, job_id: str) -> None:
     assert asyncio.run(poller.wait()).outcome is Outcome.CANCELLED
     wait_until(lambda: not alive(ray_pids), f"Ray processes left: {alive(ray_pids)}", job_id)
     wait_until(lambda: not address_file.exists(), "address file not removed", job_id)
+
+
+LEASE_HOLDER = """import os, sys, time
+from milepost.core.store import CampaignStore
+from milepost.tasks.lease import acquire, local_owner
+acquire(CampaignStore(sys.argv[1]), local_owner(), ttl_s=600, pid=os.getpid())
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_an_allocation_whose_driver_was_killed_stops_itself_after_the_grace(dev_cluster, tmp_path, ray_temp_root):
+    # The driver: a process that holds the campaign's lease, SIGKILLed once the cluster is up
+    # (as a killed `milepost run`: no teardown ever comes).
+    campaign = tmp_path / "campaign"
+    driver = subprocess.Popen([sys.executable, "-c", LEASE_HOLDER, str(campaign)], stdout=subprocess.PIPE, text=True)
+    assert driver.stdout is not None and driver.stdout.readline().strip() == "held"
+    grace_s = 6
+    spec = RayAllocationSpec(
+        job_name="mp-ray-orphan", options=SlurmOptions(nodes=2, time_min=10, mem_gb=1),
+        ports=RayPorts.for_campaign(f"test-{uuid.uuid4()}"), log_dir=str(tmp_path),
+        address_file=str(tmp_path / "ray-address"), python=sys.executable, join_timeout_s=120,
+        ray_temp_root=ray_temp_root, campaign_url=str(campaign), orphan_grace_s=grace_s)
+    script = tmp_path / "ray.sbatch"
+    script.write_text(render_ray_allocation(spec))
+    job_id = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True,
+                            check=True).stdout.strip()
+    poller = SlurmStatePoller(job_id, timeout_s=GUARD_S)
+    err_log = Path(spec.log_dir, f"ray-{job_id}.err")
+    try:
+        wait_until(lambda: Path(spec.address_file).exists() or asyncio.run(poller.poll()).outcome.terminal,
+                   "address never published", job_id)
+        assert Path(spec.address_file).exists(), err_log.read_text()[-3000:]
+        ray_pids = processes_of(job_id)
+        time.sleep(2 * grace_s)  # the driver lives: the cluster stays
+        assert not asyncio.run(poller.poll()).outcome.terminal, err_log.read_text()[-3000:]
+        driver.kill()
+        driver.wait()
+        state = asyncio.run(poller.wait())
+    finally:
+        driver.kill()
+        subprocess.run(["scancel", job_id], check=False)
+    log = err_log.read_text()
+    assert state.outcome is Outcome.DONE, (state, log[-3000:])
+    assert "no run holds campaign" in log and "stopping this allocation" in log, log[-3000:]
+    wait_until(lambda: not alive(ray_pids), f"Ray processes left: {alive(ray_pids)}", job_id)
+    wait_until(lambda: not Path(spec.address_file).exists(), "address file not removed", job_id)

@@ -37,7 +37,8 @@ def golden_spec() -> RayAllocationSpec:
         ports=RayPorts.for_campaign("tiny-arith"), log_dir="/shared/campaigns/tiny-arith/logs",
         address_file="/shared/campaigns/tiny-arith/blocks/000003/ray-address",
         python="/shared/venvs/milepost/bin/python", ray_temp_root="/tmp", join_timeout_s=900,
-        env={"HF_HOME": "/shared/hf", "NCCL_DEBUG": "WARN"})
+        env={"HF_HOME": "/shared/hf", "NCCL_DEBUG": "WARN"}, campaign_url="/shared/campaigns/tiny-arith",
+        orphan_grace_s=1800)
 
 
 def test_rendered_script_matches_the_golden_file():

@@ -2,7 +2,9 @@
 faked (srun runs its command here, scontrol names two nodes, `$PYTHON` plays Ray): a worker
 node whose step exits while the cluster forms fails the allocation at once, not after the
 join timeout; when every node joins, the script holds the allocation with the address
-published. tests/integration/test_slurm_ray_allocation.py runs the same script on real Slurm."""
+published; once up, it stops itself when its campaign's lease watch says the lease stayed dead,
+and keeps holding if the watch itself fails. tests/integration/test_slurm_ray_allocation.py
+runs the same script on real Slurm."""
 
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ s.bind(('127.0.0.1', int(os.environ['GCS_PORT']))); s.listen(); time.sleep(120)"
   *milepost.slurm.ray_join*)
     if [ -n "$JOIN_PUBLISHES" ]; then sleep 1; echo "127.0.0.1:$GCS_PORT" > "$ADDRESS_FILE_FOR_TEST"; exit 0; fi
     echo $$ > "$JOIN_PID_FILE"; exec sleep 120 ;;
+  *milepost.tasks.lease_watch*) echo $$ > "$WATCH_PID_FILE"; sleep "$WATCH_SLEEP_S"; exit "$WATCH_RC" ;;
 esac
 """
 
@@ -56,7 +59,7 @@ def _free_port_block(size: int) -> int:
     raise RuntimeError("no free port block")
 
 
-def _allocation(tmp_path: Path) -> tuple[Path, dict[str, str], Path]:
+def _allocation(tmp_path: Path, campaign_url: str | None = None) -> tuple[Path, dict[str, str], Path]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("python", FAKE_PYTHON)):
@@ -68,12 +71,12 @@ def _allocation(tmp_path: Path) -> tuple[Path, dict[str, str], Path]:
     address_file = tmp_path / "ray-address"
     spec = RayAllocationSpec(job_name="t", options=SlurmOptions(nodes=2), ports=ports, log_dir=str(tmp_path),
                              address_file=str(address_file), python=str(bin_dir / "python"),
-                             ray_temp_root=str(tmp_path), join_timeout_s=600)
+                             ray_temp_root=str(tmp_path), join_timeout_s=600, campaign_url=campaign_url)
     script = tmp_path / "ray.sbatch"
     script.write_text(render_ray_allocation(spec))
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "n[1-2]",
            "SLURM_JOB_ID": "4242", "ADDRESS_FILE_FOR_TEST": str(address_file),
-           "JOIN_PID_FILE": str(tmp_path / "join.pid")}
+           "JOIN_PID_FILE": str(tmp_path / "join.pid"), "WATCH_PID_FILE": str(tmp_path / "watch.pid")}
     return script, env, address_file
 
 
@@ -128,3 +131,43 @@ def test_when_every_node_joins_the_allocation_holds_with_the_address_published(t
     finally:
         _stop(proc)
     assert "Ray node exited" not in err and "before every node joined" not in err, err
+
+
+def _held_then(tmp_path: Path, watch_sleep_s: float, watch_rc: int) -> tuple[subprocess.Popen, Path]:
+    """A formed two-node allocation that watches a campaign's lease; the fake watch exits
+    `watch_rc` after `watch_sleep_s`."""
+    script, env, address_file = _allocation(tmp_path, campaign_url=str(tmp_path / "campaign"))
+    env = {**env, "WORKER_LIVES": "1", "JOIN_PUBLISHES": "1", "WATCH_SLEEP_S": str(watch_sleep_s),
+           "WATCH_RC": str(watch_rc)}
+    proc = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    return proc, address_file
+
+
+def test_an_allocation_whose_campaign_lease_stays_dead_stops_itself(tmp_path) -> None:
+    proc, address_file = _held_then(tmp_path, watch_sleep_s=3, watch_rc=0)
+    try:
+        _, err = proc.communicate(timeout=GUARD_S)
+    finally:
+        _stop(proc)
+    assert proc.returncode == 0, err
+    assert "lease; stopping the allocation" in err and "stopping this allocation's Ray" in err, err
+    assert (tmp_path / "watch.pid").exists(), "the watch never ran"
+    assert not address_file.exists(), "the address must not outlive the cluster"
+
+
+def test_a_lease_watch_that_fails_is_dropped_and_the_allocation_keeps_holding(tmp_path) -> None:
+    proc, address_file = _held_then(tmp_path, watch_sleep_s=1, watch_rc=3)
+    try:
+        deadline = time.monotonic() + GUARD_S
+        while not (tmp_path / "watch.pid").exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        time.sleep(3)  # past the watch's exit: still holding
+        assert proc.poll() is None, proc.communicate()[1]
+        assert address_file.exists()
+        os.killpg(proc.pid, signal.SIGTERM)  # as scancel does
+        _, err = proc.communicate(timeout=GUARD_S)
+    finally:
+        _stop(proc)
+    assert "the lease watch exited with status 3; holding the allocation without it" in err, err
+    assert "Ray node exited" not in err, err

@@ -1,0 +1,84 @@
+"""The dead driver's switch of a block's Ray allocation on Slurm.
+
+    python -m milepost.tasks.lease_watch --campaign URL --grace-s 1800 [--interval-s 30]
+
+Runs beside the allocation's Ray nodes (slurm/sbatch.py starts it once every node joined)
+and exits 0 once no live process has held the campaign's lease (tasks/lease.py) for
+`--grace-s` seconds on end. The allocation then stops itself.
+
+Why: the allocation is cancelled by the block's teardown, which a SIGKILLed `milepost run`
+(or an Airflow deployment deleted mid-block) never runs. Without this, its nodes stayed held
+until the job's time limit, or until someone resumed the campaign. Whoever runs a block holds
+the lease and renews it (a `milepost run` every ttl/3; an Airflow run from its tasks and its
+stage triggers' polls), so a lease that stays dead means nobody will use this cluster. A
+run that resumes the campaign later starts a new allocation anyway (the block is relaunched
+as after a lost node).
+
+Rules:
+- dead = `live_lease` is None: no lease, an expired one, or one of a local process that is
+  gone (the liveness rule of `milepost status`);
+- the clock restarts whenever a live lease is seen, so a stall shorter than the grace (a
+  scheduler restart, a slow store) never stops a cluster in use;
+- a store that cannot be read counts as alive (logged): a storage hiccup must not stop a
+  campaign's cluster; only a lease read as dead does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from milepost.core.store import CampaignStore
+
+DEFAULT_GRACE_S = 1800.0
+DEFAULT_INTERVAL_S = 30.0
+
+
+def wait_until_orphaned(read_live: Callable[[], dict[str, Any] | None], grace_s: float, interval_s: float,
+                        log: Callable[[str], None], clock: Callable[[], float] = time.monotonic,
+                        sleep: Callable[[float], None] = time.sleep) -> float:
+    """Poll `read_live` (the live lease, or None) every `interval_s` until it has been None for
+    `grace_s` on end; returns how long it was dead. A raising `read_live` counts as alive."""
+    dead_since: float | None = None
+    while True:
+        try:
+            alive = read_live() is not None
+        except Exception as e:  # noqa: BLE001 (any failure to read, s3 or local, must not stop a cluster)
+            log(f"lease_watch: the campaign's lease could not be read ({type(e).__name__}: {e}); counted as alive")
+            alive = True
+        now = clock()
+        if alive:
+            dead_since = None
+        elif dead_since is None:
+            dead_since = now
+            log(f"lease_watch: no live run holds the campaign's lease; the allocation stops in {grace_s:.0f} s "
+                "unless one comes back")
+        elif now - dead_since >= grace_s:
+            return now - dead_since
+        sleep(interval_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--campaign", required=True, help="the campaign's store URL")
+    parser.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S)
+    parser.add_argument("--interval-s", type=float, default=DEFAULT_INTERVAL_S)
+    args = parser.parse_args(argv)
+    from milepost.tasks.status import live_lease
+
+    store = CampaignStore(args.campaign)
+
+    def log(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    dead_for = wait_until_orphaned(lambda: live_lease(store), args.grace_s, min(args.interval_s, args.grace_s), log)
+    log(f"lease_watch: no run has held the lease of {args.campaign} for {dead_for:.0f} s (its driver is gone "
+        "and nothing resumed it): stopping this allocation. Resuming the campaign starts a new one.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
