@@ -428,6 +428,7 @@ class FleetTransport:
         self.fleet, self.inner, self.name = fleet, inner, inner.name
         # LoRA keeps the base weights on the engines (its pushes send only the adapter)
         self.release_tags = list(getattr(inner, "release_tags", ("weights", "kv_cache")))
+        self.handover_s: dict[str, float] = {}  # the last sleep's release / resume times, reported by the push
 
     def push(self, clients: list[EngineClient], export_dir: str, version: str,
              backend: WeightSource | None = None) -> dict[str, float]:
@@ -445,7 +446,9 @@ class FleetTransport:
                 self.fleet.record_served(export_dir, version)
                 if self.fleet.sleeping.is_set():  # every engine holds real weights again
                     self.fleet.sleeping.clear()
-                    metrics = {**metrics, "sync/engines_woken": float(len(live))}
+                    metrics = {**metrics, "sync/engines_woken": float(len(live)),
+                               **{f"timing/engines_{k}_s": v for k, v in self.handover_s.items()}}
+                    self.handover_s = {}
                 return metrics
         raise AssertionError("unreachable")
 
@@ -460,15 +463,20 @@ class FleetTransport:
         fleet last served, so they serve consistently whatever the caller does next.
         """
         self.fleet.sleeping.set()
+        began = time.perf_counter()
         with self.fleet.weight_push() as live:
             for c in live:
                 c.release_memory_occupation(self.release_tags, timeout_s=timeout_s)
+        released = time.perf_counter()
         try:
             yield
         except BaseException:
             self.wake(timeout_s, reload=True)
             raise
+        trained = time.perf_counter()
         self.wake(timeout_s, reload=False)
+        # inside the loop's timing/train_s: what of it the handover took
+        self.handover_s = {"release": released - began, "resume": time.perf_counter() - trained}
 
     def wake(self, timeout_s: float = 120.0, reload: bool = False) -> None:
         """Every live engine takes its memory back (a no-op on an awake engine). `reload`: it

@@ -54,3 +54,8 @@ def test_gpu_arith_driver_kills_run_steps_resumes_and_trains_every_prompt_once(t
         start = json.loads((tmp_path / "campaign" / "blocks" / f"{block:06d}" / "start_ray.json").read_text())
         assert start["state"] == "released"
     assert (out / "logs" / "b0-run_steps-1.log").is_file()
+    # each step's train time split: the trainer's phases (synced) and the colocated memory handover
+    for row in (r for b in result["blocks"] for r in b["steps"]):
+        parts = [row[f"timing/{k}_s"] for k in ("train_batch", "train_forward_backward", "train_optimizer",
+                                                "engines_release", "engines_resume")]
+        assert all(p >= 0.0 for p in parts) and sum(parts) <= row["timing/train_s"] + 1e-6, row

@@ -177,6 +177,13 @@ def test_first_step_matches_torch_backend(runs, model_path):
         assert_weights_close(runs[f"tp{tp}_w1"], runs["torch_w1"])
 
 
+def test_a_step_reports_its_train_time_split_by_phase(runs):
+    for tp in (1, 2):
+        got = runs[f"tp{tp}_step1"]
+        phases = [got[f"timing/train_{p}_s"] for p in ("batch", "forward_backward", "optimizer")]
+        assert all(p >= 0.0 for p in phases) and phases[1] > 0.0, got
+
+
 def test_tp2_equals_tp1_over_two_steps(runs):
     for step in (1, 2):
         a, b = runs[f"tp1_step{step}"], runs[f"tp2_step{step}"]

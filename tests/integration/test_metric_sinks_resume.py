@@ -72,6 +72,8 @@ def _check_campaign(tmp_path: Path, campaign: Path, log: Path) -> None:
 
     rows = cp.metrics(campaign)
     assert [r["step"] for r in rows] == list(range(1, NUM_STEPS + 1))
+    # colocated (tiny-arith's placement): each step records the engines' memory handover
+    assert all(r["timing/engines_release_s"] >= 0.0 and r["timing/engines_resume_s"] >= 0.0 for r in rows), rows[0]
     final = {(r["step"], tag): r[tag] for r in rows for tag in TRAIN_TAGS}
     store = CampaignStore(str(campaign))
     evals = [(0, store.read_json("base_eval.json")["accuracy"])] + [

@@ -104,6 +104,8 @@ class MegatronBackend(Rank0WeightSource):
         metrics = routing_replay.finish_metrics(metrics)  # MoE: agreement, gaps with / without replay
         metrics["train/num_tokens"] = float(num_tokens)
         metrics["train/num_micro_batches"] = float(max(r["num_micro_batches"] for r in results))
+        for phase in ("batch", "forward_backward", "optimizer"):  # the slowest rank's, each synced on its device
+            metrics[f"timing/train_{phase}_s"] = max(r["phases_s"][phase] for r in results)
         metrics["train/step"] = float(step)
         return metrics
 

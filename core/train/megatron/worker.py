@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import random
+import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from functools import partial
@@ -323,6 +324,7 @@ class MegatronRankWorker(SenderRank):
     def train(self, samples: list[Sample], normalizer: float) -> dict[str, Any]:
         """One optimizer step over this data-parallel shard. Returns this rank's metric sums."""
         m = self.cfg.megatron
+        began = self._clock()
         samples = samples or [padding_sample(self.pad_id)]  # every replica joins the gradient all-reduce
         mbs = build_micro_batches(samples, self.pad_id, m.pack_sequences, self.cfg.micro_batch_size,
                                   m.micro_batch_tokens, self._route_shape())
@@ -333,8 +335,10 @@ class MegatronRankWorker(SenderRank):
         lr = self.cfg.lr * self.lr_mult(self.sched_step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        batched = self._clock()
         with autocast(self.autocast):
             per_micro = self._run_schedule(mbs, normalizer, forward_only=False)
+        scheduled = self._clock()
         moe_tp.scale_expert_grads(self.expert_params, self.tp_size)  # experts saw TP copies of the tokens
         skip = agree_to_skip(not (all_finite(m.get("train/loss", 0.0) for m in per_micro) and self._grads_finite()),
                              self.device)
@@ -347,12 +351,21 @@ class MegatronRankWorker(SenderRank):
             grad_norm = float("nan")
         else:
             self.sched_step += 1
+        stepped = self._clock()
         totals: dict[str, float] = {}
         for metrics in per_micro:
             for k, v in metrics.items():
                 totals[k] = max(totals.get(k, v), v) if k.endswith("_max") else totals.get(k, 0.0) + v
         return {"metrics": totals, "grad_norm": float(grad_norm), "lr": lr, "reporter": self._reports(),
-                "num_micro_batches": len(mbs), "skipped_nonfinite": float(skip)}
+                "num_micro_batches": len(mbs), "skipped_nonfinite": float(skip),
+                "phases_s": {"batch": batched - began, "forward_backward": scheduled - batched,
+                             "optimizer": stepped - scheduled}}
+
+    def _clock(self) -> float:
+        """Seconds, after the device's queued work (a phase's time is its kernels', not their launch)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def _grads_finite(self) -> bool:
         """Whether this rank's gradient buffers (after the data-parallel reduction) are all finite."""
