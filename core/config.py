@@ -417,8 +417,10 @@ class PrecisionConfig(Section):
     train: TrainPrecision = Field(
         "fp32", description="fp32; bf16 (torch backend: bf16 autocast over fp32 weights, on CPU too; megatron: "
                             "bf16 parameters with fp32 master weights in its optimizer on GPU, autocast on CPU); "
-                            "int4_qat (torch backend: fp32 master weights, every Linear but the head "
-                            "fake-quantised to group-wise int4 in the forward, straight-through gradients); "
+                            "int4_qat (fp32 parameters, every Linear but the head and MoE routers "
+                            "fake-quantised to group-wise int4 in the forward, straight-through gradients; "
+                            "megatron: the transformer linears, with tensor parallelism leaving each rank whole "
+                            "groups of 128 input features); "
                             "fp8 (megatron backend: bf16 training with the transformer linears' GEMMs through "
                             "torch._scaled_mm, fp32 master weights; CUDA compute capability >= 8.9, or a CPU, "
                             "where it is emulated and slow).")
@@ -667,9 +669,6 @@ class Recipe(Section):
     def _check_precision_combination(self) -> None:
         """What no device runs yet (what a device cannot run: core/quant/modes.py)."""
         p = self.precision
-        if p.train == "int4_qat" and self.train.backend != "torch":
-            raise ValueError(f"precision.train int4_qat is built for train.backend torch only, not "
-                             f"{self.train.backend} yet; set train.backend=torch or precision.train=bf16")
         if self.train.lora is not None and (p.train == "int4_qat" or p.rollout in ("int4", "fp8")):
             raise ValueError(f"precision.train {p.train} / precision.rollout {p.rollout} with train.lora is not "
                              "supported yet (the adapter would sit on quantised base weights); remove train.lora "

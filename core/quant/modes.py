@@ -6,7 +6,8 @@ the engines, and the start-up refusal of a mode the device cannot run.
 | fp32            | yes                              | yes                                 | `--dtype float32`      | `--dtype float32`     |
 | bf16            | bf16 autocast, fp32 weights      | GPU: bf16 params, fp32 master (its  | `--dtype bfloat16`     | `--dtype bfloat16`    |
 |                 |                                  | optimizer); CPU: autocast           |                        |                       |
-| int4_qat / int4 | fake-quantised Linears (STE)     | refused (config.py): not built      | `--quantization int4`  | refused (config.py)   |
+| int4_qat / int4 | fake-quantised Linears (STE)     | fp32 + the transformer linears      | `--quantization int4`  | refused (config.py)   |
+|                 |                                  | fake-quantised (megatron/int4_qat)  |                        |                       |
 | fp8             | refused: not built               | bf16 + the transformer linears'     | `--dtype bfloat16      | the same flags, from  |
 |                 |                                  | GEMMs through torch._scaled_mm      | --quantization fp8`:   | an fp8 folder of the  |
 |                 |                                  | (megatron/fp8.py); CUDA cc >= 8.9,  | block-wise fp8 weights | weights (`disk_form`, |

@@ -1,6 +1,7 @@
 """INT4 QAT end to end (issue 21, must-show 3): the policy trained is the policy served.
 
-A trainer with precision.train int4_qat (TorchBackend, one rank in a real Ray actor) and a real
+A trainer with precision.train int4_qat (the torch backend, and the megatron backend, whose fused
+qkv and gate/up rows quantise as their HF rows: one rank in a real Ray actor) and a real
 built-in engine process launched with precision.rollout int4's flags (`--dtype float32
 --quantization int4`). Each round the engine samples responses (with its logprobs), the
 trainer takes an optimizer step on them, and the new weights are pushed through one transport
@@ -12,6 +13,7 @@ with — and the trainer's forward gives the engine's logprobs of the engine's s
 
 from __future__ import annotations
 
+import pytest
 import ray
 import torch
 from tinymodels import engine_samples, served_weight, start_engines, stop_engines
@@ -20,7 +22,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from milepost.core.config import AlgoConfig, RolloutConfig, TrainConfig
 from milepost.core.fleet.launcher import engine_command
 from milepost.core.quant.int4 import fake_quantize_int4, quantized_linears
-from milepost.core.train.torch_backend import TorchBackend
+from milepost.core.train.factory import create_backend
 from milepost.core.weight_sync import build_transport
 
 PROMPTS = [[3, 4, 5], [7, 8, 9, 10], [11, 12], [13, 14, 15, 16, 17]]
@@ -37,7 +39,9 @@ def _model(path: str) -> list[str]:
     return sorted(quantized_linears(model))
 
 
-def test_int4_engine_serves_the_trainers_fake_quantised_weights_bit_for_bit_after_every_transport(tmp_path) -> None:
+@pytest.mark.parametrize("backend_name", ["torch", "megatron"])
+def test_int4_engine_serves_the_trainers_fake_quantised_weights_bit_for_bit_after_every_transport(
+        tmp_path, backend_name: str) -> None:
     path = str(tmp_path / "model")
     layers = _model(path)
     argv = engine_command(RolloutConfig(), path, "0", colocated=False, host="127.0.0.1", precision="int4").argv()
@@ -45,8 +49,8 @@ def test_int4_engine_serves_the_trainers_fake_quantised_weights_bit_for_bit_afte
     assert flags == ["--dtype", "float32", "--quantization", "int4"]  # what precision.rollout int4 launches
     ray.init(num_cpus=2, include_dashboard=False)
     engines = start_engines(path, tmp_path, 1, *flags, "--weight-update-timeout-s", "30")
-    backend = TorchBackend.create(path, TrainConfig(num_ranks=1, micro_batch_size=8, lr=1e-2), AlgoConfig(), 1.0,
-                                  seed=0, precision="int4_qat")
+    backend = create_backend(path, TrainConfig(backend=backend_name, num_ranks=1, micro_batch_size=8, lr=1e-2),
+                             AlgoConfig(), 1.0, seed=0, precision="int4_qat", rollout_precision="int4")
     try:
         client, url = engines[0][1], engines[0][1].base_url
         assert client.server_info()["quantization"] == "int4"

@@ -22,10 +22,10 @@ from milepost.core.types import Sample
 
 
 def save_tiny_qwen2(path: Path, seed: int, vocab: int = 32, tie_embeddings: bool = False,
-                    max_positions: int = 2048) -> str:
-    """A 2-layer random Qwen2 (hidden 64) in HF format at `path`; eos 1, pad 0."""
+                    max_positions: int = 2048, hidden: int = 64, intermediate: int = 128) -> str:
+    """A 2-layer random Qwen2 (hidden 64 unless told) in HF format at `path`; eos 1, pad 0."""
     torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
                       tie_word_embeddings=tie_embeddings, eos_token_id=1, pad_token_id=0)
     Qwen2ForCausalLM(cfg).save_pretrained(path)

@@ -30,8 +30,6 @@ def test_both_modes_default_to_fp32_and_the_old_train_precision_names_its_new_pl
 
 
 @pytest.mark.parametrize("overrides,needle", [
-    (["precision.train=int4_qat", "train.backend=megatron"],
-     r"precision.train int4_qat is built for train.backend torch only.*set train.backend=torch"),
     (["precision.rollout=int4", "rollout.engine=sglang"],
      r"precision.rollout int4 is served by the built-in engine only.*set rollout.engine=builtin"),
     (["precision.train=int4_qat", "train.lora.rank=4"], r"with train.lora is not supported yet.*remove train.lora"),

@@ -109,7 +109,7 @@ class MegatronRankWorker(SenderRank):
     def __init__(self, rank: int, world_size: int, model_path: str, train_cfg: TrainConfig, algo_cfg: AlgoConfig,
                  temperature: float, seed: int, total_steps: int | None, precision: str = "fp32",
                  fp8_recipe: Fp8Recipe | None = None, weight_format: str | None = None) -> None:
-        """`precision`: precision.train (fp32 | bf16 | fp8; core/train/precision.py says what each
+        """`precision`: precision.train (fp32 | bf16 | fp8 | int4_qat; core/train/precision.py says what each
         does where). `fp8_recipe`: how fp8 scales (core/quant/fp8_linear.py; benchmarks vary it).
         `weight_format`: what weight sync sends (weight_sender.WeightSender)."""
         self.weight_format = weight_format
@@ -233,6 +233,11 @@ class MegatronRankWorker(SenderRank):
         chunks = [build_gpt_model(self.spec, self.tconfig, vp_stage=s).to(self.device) for s in stages]
         if self.precision == "fp8":
             self._attach_fp8(chunks)
+        elif self.precision == "int4_qat":  # fp32 parameters, int4 fake-quantised linears (megatron/int4_qat.py)
+            from milepost.core.train.megatron.int4_qat import attach_int4_qat
+            layers = attach_int4_qat(chunks, self.tp_size)
+            if self.rank == 0 and stages == [None]:
+                log.info("precision.train int4_qat: %d linear layer(s) fake-quantised to int4", len(layers))
         for chunk in chunks:  # norms in the model dtype (megatron's ignore params_dtype), fused if asked
             fusions.swap_norms(chunk, self.dtype, self.cfg.megatron.fuse)
         load_hf_into(chunks, self.model_path, self.spec, self.tp_rank, self.tp_size, self.ep_rank)
