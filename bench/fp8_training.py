@@ -16,6 +16,8 @@ batches, cycled, timing each step (synced):
   per step compiled, against the 0.15-0.2 s fp8 saves on 0.41 s of bf16 GEMMs), so which
   recipe clears 1.15x is a measurement. `rowwise-fast`, `tensorwise-fast` (fast accumulation in
   the forward GEMM only: torchao's default for tensorwise), `rowwise-eager-casts`: on request.
+`--other-modes int4_qat,fp32`: those precision.train modes too, beside bf16 (issue 21's
+tokens/s per mode; int4_qat trains fp32 parameters with fake-quantised linears), no target.
 Loss curve: every advantage +1, TIS off, engine logprobs 0, so each step maximises the
 responses' likelihood and `train/engine_logprob_absdiff_sum / loss tokens` is the batch's NLL
 before the step's update (as tests/integration/test_megatron_fp8.py). Reported: s/step (mean
@@ -71,13 +73,15 @@ def nll_batches(count: int, args: argparse.Namespace, vocab: int) -> list[list[A
 
 
 def run_mode(folder: str, name: str, batches: list[list[Any]], args: argparse.Namespace) -> dict[str, Any]:
-    """Train `args.steps` steps in mode `name` ('bf16' or 'fp8[recipe]'): step times, NLL curve,
-    peak memory, one synced phase split, and how many linears ran in fp8."""
+    """Train `args.steps` steps in mode `name` ('bf16', 'fp8[recipe]', or another precision.train
+    mode: 'int4_qat', 'fp32'): step times, NLL curve, peak memory, one synced phase split, and
+    how many linears ran in fp8."""
     from milepost.core.config import AlgoConfig
     from milepost.core.quant.fp8_linear import Fp8Recipe
     recipe = Fp8Recipe(**RECIPES[name[4:-1]]) if name.startswith("fp8[") else None
     mfu.reset_peak()
-    worker = mfu.megatron_worker(folder, mfu.parse_variant(args.variant), precision="fp8" if recipe else "bf16",
+    precision = "fp8" if recipe else name
+    worker = mfu.megatron_worker(folder, mfu.parse_variant(args.variant), precision=precision,
                                  algo=AlgoConfig(tis_cap=None), lr=args.lr, fp8_recipe=recipe)
     try:
         fp8_layers = sum(type(m).__name__.startswith("Fp8") for c in worker.model for m in c.modules())
@@ -161,12 +165,18 @@ def report(results: dict[str, dict[str, Any]], tokens: int, out: list[str]) -> d
         learnt = progress_gap(r["nll"], base["nll"]) if base else float("nan")
         if name != "bf16":
             ratios[name] = {"throughput_vs_bf16": speed, "max_rel_nll_gap": gap, "learnt_gap": learnt}
+            if not name.startswith("fp8["):  # measured beside bf16; issue 21's bar is fp8's
+                ratios[name]["no_target"] = 1.0
         mfu.log(out, f"{name:<24} {r['s_per_step']:7.3f} {tokens / r['s_per_step']:8.0f} {speed:7.3f}x "
                      f"{gap:11.2%} {learnt:11.2%} {r['peak_gib']:9.1f} {r['fp8_linear_layers']:11d}  "
                      f"{r['nll'][0]:.4f} -> {r['nll'][-1]:.4f}")
     for name, r in results.items():
         mfu.log(out, f"{name} phases (synced): " + ", ".join(f"{k} {v:.3f}s" for k, v in r["phases"].items()))
     for name, q in ratios.items():
+        if q.get("no_target"):
+            mfu.log(out, f"{name}: {q['throughput_vs_bf16']:.3f}x bf16 step throughput, max NLL gap "
+                         f"{q['max_rel_nll_gap']:.2%} (per-mode figure, no target)")
+            continue
         ok = q["throughput_vs_bf16"] >= TARGET_SPEEDUP and q["max_rel_nll_gap"] <= TARGET_GAP
         verdict = (f"{'meets' if ok else 'misses'} issue 21's bar" if mfu.DEVICE == "cuda" else
                    "no verdict on CPU (fp8 emulated, tiny shape: the speed means nothing)")
@@ -185,6 +195,9 @@ def main() -> None:
     ap.add_argument("--variant", default="fuse=1,mb=8", help="megatron settings (bench/megatron_mfu.py)")
     ap.add_argument("--fp8-recipes", default="rowwise,tensorwise,rowwise-gw-bf16",
                     help=f"comma-separated of {sorted(RECIPES)}")
+    ap.add_argument("--other-modes", default="",
+                    help="comma-separated precision.train modes also trained beside bf16, after the fp8 ones "
+                         "(int4_qat: fp32 parameters, fake-quantised linears; fp32)")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of the mean step time")
     ap.add_argument("--batches", type=int, default=4, help="fixed batches, cycled")
@@ -209,7 +222,11 @@ def main() -> None:
                  f"megatron[{args.variant}] | {args.steps} steps (mean s/step after {args.warmup}), lr {args.lr}")
     batches = nll_batches(args.batches, args, cfg.vocab_size)
     results: dict[str, dict[str, Any]] = {}
-    modes = [f"fp8[{r}]" for r in args.fp8_recipes.split(",") if r] + ["bf16"]
+    others = [m for m in args.other_modes.split(",") if m]
+    unknown = sorted(set(others) - {"int4_qat", "fp32"})
+    if unknown:
+        ap.error(f"--other-modes {unknown}: use int4_qat or fp32")
+    modes = [f"fp8[{r}]" for r in args.fp8_recipes.split(",") if r] + others + ["bf16"]
     for name in modes if args.fp8_first else modes[-1:] + modes[:-1]:
         try:
             results[name] = run_mode_apart(folder, name, batches, args)
