@@ -4,7 +4,8 @@
 # CALL_LIMIT_S (default 575) bounds a call.
 #   source bench/device_calls.sh arith     gpu-arith end to end (build, 2 blocks, a kill and resume)
 #   source bench/device_calls.sh figures   training: bf16, three fp8 recipes and int4_qat side by side
-#   source bench/device_calls.sh sync      rollout precision, GPU weight sync
+#   source bench/device_calls.sh sync      rollout precision, GPU weight sync (on a two-GPU kind, e.g.
+#                                          nvidia-h100-x2, also NCCL to an engine on the second GPU)
 #   source bench/device_calls.sh tests     the GPU tests, the CUDA-IPC push bench, warm-start speed
 # Everything a call writes comes back in $OUT/results.tgz (and $OUT/steps.txt).
 call=${1:?arith, figures, sync or tests}

@@ -13,7 +13,10 @@ bytes. After each transport the engine's greedy outputs must equal those after t
 - distributed over gloo (the engine receives into host memory and copies to the GPU);
 - distributed over NCCL with the engine on the trainer's GPU (the only GPU lent): NCCL is
   expected to refuse two ranks of one communicator on one device; the row records what
-  happened (a figure or the error).
+  happened (a figure or the error);
+- with two GPUs visible (a two-GPU kind of the device tool), distributed over NCCL to a second
+  engine on GPU 1, as disaggregated placement runs it, held to a peer copy of the same bytes
+  from GPU 0 to GPU 1 (NVLink or PCIe: the floor of any cross-GPU push).
 
     python bench/gpu_weight_sync.py [--pushes 4] [--bucket-mb 512] [--out bench/results/gpu_weight_sync.txt]
 """
@@ -26,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,12 +62,29 @@ def _device_name() -> str:
     return torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke run, no figures)"
 
 
-def timed(transport: Any, client: Any, source: Any, pushes: int, tag: str, nbytes: int) -> dict[str, Any]:
-    """One warm-up push (exports, mappings, groups), then `pushes`, each after a device copy."""
+def peer_copy_s(nbytes: int, repeats: int = 10) -> float:
+    """Seconds of one copy of `nbytes` from GPU 0 to GPU 1 (the floor of a cross-GPU push)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+    dst.copy_(src)
+    torch.cuda.synchronize("cuda:0")
+    torch.cuda.synchronize("cuda:1")
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    torch.cuda.synchronize("cuda:0")
+    torch.cuda.synchronize("cuda:1")
+    return (time.perf_counter() - start) / repeats
+
+
+def timed(transport: Any, client: Any, source: Any, pushes: int, tag: str, nbytes: int,
+          copy_s_of: Callable[[int], float] | None = None) -> dict[str, Any]:
+    """One warm-up push (exports, mappings, groups), then `pushes`, each after a copy of the
+    same bytes (`copy_s_of`: a device copy unless told)."""
     first = transport.push([client], "", f"{tag}-warm", backend=source)["sync/seconds"]
     rows = []
     for i in range(pushes):
-        copy_s = device_copy_s(nbytes, repeats=10, device=DEVICE)
+        copy_s = copy_s_of(nbytes) if copy_s_of else device_copy_s(nbytes, repeats=10, device=DEVICE)
         m = transport.push([client], "", f"{tag}-{i}", backend=source)
         rows.append({"s": m["sync/seconds"], "send_s": m["sync/send_seconds"], "copy_s": copy_s})
     med = {k: statistics.median(r[k] for r in rows) for k in ("s", "send_s", "copy_s")}
@@ -136,7 +157,31 @@ def main() -> None:
                 say(f"{name}: failed: {results[name]['error']}")
             finally:
                 transport.close()
+        if DEVICE == "cuda" and torch.cuda.device_count() >= 2:
+            _second_gpu_row(tmp, trainer, args, nbytes, results, say)
     finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def _second_gpu_row(tmp: Path, trainer: torch.nn.Module, args: argparse.Namespace, nbytes: int,
+                    results: dict[str, Any], say: Callable[[str], None]) -> None:
+    """NCCL to an engine on GPU 1 (disaggregated), against a GPU 0 -> GPU 1 copy."""
+    name = "distributed, NCCL, engine on a second GPU"
+    proc, client = start_engine(str(tmp / "engine_start"), tmp / "engine_gpu1.log", "--device", "cuda:1", "--dtype",
+                                "bfloat16", "--mem-fraction-static", "0.3", "--context-length", "512")
+    transport = DistributedTransport(600, args.bucket_mb, num_attempts=1)
+    try:
+        r = timed(transport, client, InProcessWeightSource(trainer), args.pushes, "nccl-gpu1", nbytes, peer_copy_s)
+        results[name] = r
+        say(f"{name}: {r['s'] * 1e3:.1f} ms = {r['gb_per_s']:.1f} GB/s (first {r['first_s'] * 1e3:.0f} ms; "
+            f"buckets alone {r['send_s'] * 1e3:.1f} ms); GPU 0 -> GPU 1 copy {r['copy_s'] * 1e3:.2f} ms; "
+            f"push vs peer copy {r['vs_copy']:.3f}, buckets vs peer copy {r['send_vs_copy']:.3f}")
+    except Exception as exc:  # noqa: BLE001 - recorded, as every row
+        results[name] = {"error": f"{type(exc).__name__}: {exc}"[:600]}
+        say(f"{name}: failed: {results[name]['error']}")
+    finally:
+        transport.close()
         proc.terminate()
         proc.wait(60)
 
