@@ -622,10 +622,19 @@ class ClusterConfig(Section):
     max_block_retries: int = Field(
         1, ge=0, description="Times a block whose stage failed (a node lost, the allocation gone) is torn "
                              "down and launched again; train resumes from its last checkpoint.")
-    orphan_grace_s: int = Field(
-        1800, ge=10, description="slurm: a block's Ray allocation stops itself once no run has held the "
-                                 "campaign's lease for this long (its `milepost run` killed, or its Airflow "
-                                 "run gone, so teardown never came); a resumed campaign starts a new one.")
+    orphan_grace_s: int | None = Field(
+        None, ge=10, description="A block's Ray cluster (a Slurm allocation, or the local head with its engines) "
+                                 "stops itself once no run has held the campaign's lease for this long (its "
+                                 "`milepost run` killed, or its Airflow run gone, so teardown never came); a "
+                                 "resumed campaign starts a new one. null: 1800 s on Slurm (an Airflow run's "
+                                 "lapse shows only when its lease expires), 120 s locally (a `milepost run`'s "
+                                 "lease names its process: a killed one is seen at once).")
+
+    def orphan_grace(self) -> int:
+        """`orphan_grace_s`, or the executor's default."""
+        if self.orphan_grace_s is not None:
+            return self.orphan_grace_s
+        return 1800 if self.executor == "slurm" else 120
 
 
 class Recipe(Section):

@@ -1,14 +1,21 @@
-"""The dead driver's switch of a block's Ray allocation on Slurm.
+"""The dead driver's switch of a block's Ray cluster.
 
     python -m milepost.tasks.lease_watch --campaign URL --grace-s 1800 [--interval-s 30]
+        [--head-pid PID --head-created T --temp-dir DIR]
 
-Runs beside the allocation's Ray nodes (slurm/sbatch.py starts it once every node joined)
-and exits 0 once no live process has held the campaign's lease (tasks/lease.py) for
-`--grace-s` seconds on end. The allocation then stops itself.
+Exits 0 once no live process has held the campaign's lease (tasks/lease.py) for `--grace-s`
+seconds on end. Two users:
+- a Ray allocation on Slurm (slurm/sbatch.py starts it once every node joined), which then
+  stops itself;
+- a local head (tasks/local_ray.start_lease_watch, with --head-pid ...): the watch stops the
+  head's processes itself (its engines and router with them), and exits quietly as soon as
+  the head is gone some other way (teardown, which also stops the watch: its command line
+  holds the head's temp dir).
 
-Why: the allocation is cancelled by the block's teardown, which a SIGKILLed `milepost run`
-(or an Airflow deployment deleted mid-block) never runs. Without this, its nodes stayed held
-until the job's time limit, or until someone resumed the campaign. Whoever runs a block holds
+Why: the cluster is stopped by the block's teardown, which a SIGKILLed `milepost run` (or an
+Airflow deployment deleted mid-block) never runs. Without this, Slurm nodes stayed held until
+the job's time limit and a local head's engines kept their GPU memory, until someone resumed
+the campaign. Whoever runs a block holds
 the lease and renews it (a `milepost run` every ttl/3; an Airflow run from its tasks and its
 stage triggers' polls), so a lease that stays dead means nobody will use this cluster. A
 run that resumes the campaign later starts a new allocation anyway (the block is relaunched
@@ -31,6 +38,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import psutil
+
 from milepost.core.store import CampaignStore
 
 DEFAULT_GRACE_S = 1800.0
@@ -39,11 +48,15 @@ DEFAULT_INTERVAL_S = 30.0
 
 def wait_until_orphaned(read_live: Callable[[], dict[str, Any] | None], grace_s: float, interval_s: float,
                         log: Callable[[str], None], clock: Callable[[], float] = time.monotonic,
-                        sleep: Callable[[float], None] = time.sleep) -> float:
+                        sleep: Callable[[float], None] = time.sleep,
+                        still_needed: Callable[[], bool] = lambda: True) -> float | None:
     """Poll `read_live` (the live lease, or None) every `interval_s` until it has been None for
-    `grace_s` on end; returns how long it was dead. A raising `read_live` counts as alive."""
+    `grace_s` on end; returns how long it was dead, or None as soon as `still_needed()` is
+    False (what it guards is gone). A raising `read_live` counts as alive."""
     dead_since: float | None = None
     while True:
+        if not still_needed():
+            return None
         try:
             alive = read_live() is not None
         except Exception as e:  # noqa: BLE001 (any failure to read, s3 or local, must not stop a cluster)
@@ -66,17 +79,41 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--campaign", required=True, help="the campaign's store URL")
     parser.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S)
     parser.add_argument("--interval-s", type=float, default=DEFAULT_INTERVAL_S)
+    parser.add_argument("--head-pid", type=int, help="a local head to stop when orphaned (with --head-created)")
+    parser.add_argument("--head-created", type=float, help="the head process's create time (pid reuse guard)")
+    parser.add_argument("--temp-dir", help="the local head's temp dir (finds its processes)")
     args = parser.parse_args(argv)
+    if (args.head_pid is None) != (args.head_created is None):
+        parser.error("--head-pid and --head-created go together")
+    from milepost.tasks.local_ray import owned_process, stop_processes
     from milepost.tasks.status import live_lease
 
     store = CampaignStore(args.campaign)
+    head = None if args.head_pid is None else [(args.head_pid, args.head_created)]
 
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
-    dead_for = wait_until_orphaned(lambda: live_lease(store), args.grace_s, min(args.interval_s, args.grace_s), log)
+    def head_alive() -> bool:
+        if head is None:
+            return True
+        proc = owned_process(*head[0])
+        try:
+            return proc is not None and proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    dead_for = wait_until_orphaned(lambda: live_lease(store), args.grace_s, min(args.interval_s, args.grace_s), log,
+                                   still_needed=head_alive)
+    if dead_for is None:
+        log("lease_watch: the local Ray head is gone (torn down): nothing to guard")
+        return 0
+    what = "this allocation" if head is None else "the local Ray head and its engines"
     log(f"lease_watch: no run has held the lease of {args.campaign} for {dead_for:.0f} s (its driver is gone "
-        "and nothing resumed it): stopping this allocation. Resuming the campaign starts a new one.")
+        f"and nothing resumed it): stopping {what}. Resuming the campaign starts a new one.")
+    if head is not None:
+        stopped = stop_processes(head, args.temp_dir, [], since=0.0)
+        log(f"lease_watch: stopped {len(stopped)} process(es) of the local head")
     return 0
 
 

@@ -102,7 +102,22 @@ def _wait_listening(proc: subprocess.Popen, ip: str, port: int, log_path: Path) 
             time.sleep(0.2)
 
 
-def _owned(pid: int, created_at: float | None) -> psutil.Process | None:
+def start_lease_watch(campaign_url: str, head: dict[str, Any], temp_dir: str, grace_s: float,
+                      log_path: Path) -> int:
+    """The head's dead driver's switch (tasks/lease_watch.py), in a session of its own like
+    the head; returns its pid. Its command line holds `temp_dir`, so whatever stops the
+    head's processes (teardown: stop_processes) stops it too."""
+    pid, created = head["pids"][0], head["pids_created_at"][0]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "milepost.tasks.lease_watch", "--campaign", campaign_url,
+                                 "--grace-s", str(grace_s), "--interval-s", str(min(30.0, grace_s)),
+                                 "--head-pid", str(pid), "--head-created", repr(created), "--temp-dir", temp_dir],
+                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    return proc.pid
+
+
+def owned_process(pid: int, created_at: float | None) -> psutil.Process | None:
+    """The process `pid` if it is still the one created at `created_at` (not a reused pid)."""
     try:
         proc = psutil.Process(pid)
         if created_at is not None and abs(proc.create_time() - created_at) > 1.0:
@@ -129,13 +144,13 @@ def collect(pids: list[tuple[int, float]], temp_dir: str | None, extra_pids: lis
     """The head's processes: recorded pids and descendants, processes whose command line
     holds its unique temp dir, and `extra_pids` (engines, router) started after `since`."""
     found: dict[int, psutil.Process] = {}
-    roots = [p for p in (_owned(pid, created) for pid, created in pids) if p]
+    roots = [p for p in (owned_process(pid, created) for pid, created in pids) if p]
     if temp_dir:
         for proc in psutil.process_iter(["cmdline"]):
             if temp_dir in " ".join(proc.info["cmdline"] or []):
                 roots.append(proc)
     for pid in extra_pids:
-        owned = _owned(pid, None)
+        owned = owned_process(pid, None)
         if owned and owned.create_time() >= since - 1.0 and _is_fleet_process(owned):
             roots.append(owned)
     for root in roots:

@@ -1,7 +1,8 @@
 """start_ray and teardown: the block's Ray cluster, owned through its records only.
 
 local: a `ray start --head --block` process in a session of its own (it outlives the
-start_ray job), on ports of its own, with a temp dir of its own. The record holds its pid
+start_ray job), on ports of its own, with a temp dir of its own, and beside it a lease watch
+(tasks/lease_watch.py) that stops it if the driver is killed and nothing resumes the campaign. The record holds its pid
 and temp dir before the head is even started, so teardown finds every process of it: the
 recorded pids, their descendants, and processes whose command line holds that unique temp
 dir (Ray's own session processes). SIGTERM, then SIGKILL. Never `ray stop` (it stops every
@@ -34,7 +35,7 @@ import psutil
 
 from milepost.core.records import BLOCK_STAGES, Stage, StageRecord, StageState
 from milepost.tasks.context import StageContext
-from milepost.tasks.local_ray import free_ray_ports, start_local_head, stop_processes
+from milepost.tasks.local_ray import free_ray_ports, start_lease_watch, start_local_head, stop_processes
 from milepost.tasks.ray_auth import ray_auth_env
 
 LAUNCH_TIMEOUT_S = 600
@@ -57,7 +58,12 @@ def _launch_local(ctx: StageContext) -> dict[str, Any]:
     head = start_local_head(ports, temp_dir, Path(ctx.block_path("logs", "ray-head.log")), ray_auth_env(ctx.store),
                             on_started=lambda pid, created: ctx.update(Stage.START_RAY, pids=[pid],
                                                                        pids_created_at=[created]))
-    return {"mode": "local", "temp_dir": temp_dir, "launched_at": launched_at, **head, "num_nodes": 1}
+    # stops the head if the driver is killed and nothing resumes the campaign (tasks/lease_watch.py)
+    url = ctx.url if "://" in ctx.url else os.path.abspath(ctx.url)  # the watch outlives this cwd's meaning
+    watch_pid = start_lease_watch(url, head, temp_dir, ctx.recipe.cluster.orphan_grace(),
+                                  Path(ctx.block_path("logs", "lease-watch.log")))
+    return {"mode": "local", "temp_dir": temp_dir, "launched_at": launched_at, **head, "num_nodes": 1,
+            "lease_watch_pid": watch_pid}
 
 
 def _launch_slurm(ctx: StageContext) -> dict[str, Any]:
@@ -90,7 +96,7 @@ def _submit_allocation(ctx: StageContext, attempt: int) -> tuple[str, Path]:
         ports=RayPorts.for_campaign(slot_id), log_dir=str(log_dir), address_file=str(address_file),
         python=sys.executable, ray_temp_root="/tmp", join_timeout_s=LAUNCH_TIMEOUT_S,
         env=ray_auth_env(ctx.store),  # a token path on the shared store, never the token
-        campaign_url=ctx.url, orphan_grace_s=cluster.orphan_grace_s)
+        campaign_url=ctx.url, orphan_grace_s=cluster.orphan_grace())
     script = Path(ctx.block_path("ray.sbatch"))
     script.write_text(render_ray_allocation(spec))
     job_id = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True,

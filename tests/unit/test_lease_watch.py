@@ -101,3 +101,17 @@ def test_an_expired_lease_of_a_run_on_another_host_ends_the_watch(tmp_path) -> N
 def test_the_watch_needs_a_campaign(argv: list[str]) -> None:
     out = subprocess.run([sys.executable, "-m", "milepost.tasks.lease_watch", *argv], capture_output=True, text=True)
     assert out.returncode == 2 and "--campaign" in out.stderr
+
+
+def test_the_watch_ends_without_acting_once_what_it_guards_is_gone() -> None:
+    guarded = [True, True, False]
+    script = Script([None] * 10)
+    got = wait_until_orphaned(script.read_live, 30.0, 10.0, script.logs.append, clock=lambda: script.now,
+                              sleep=script._sleep, still_needed=lambda: guarded.pop(0))
+    assert got is None and script.now == 20.0
+
+
+def test_a_head_pid_needs_its_create_time() -> None:
+    out = subprocess.run([sys.executable, "-m", "milepost.tasks.lease_watch", "--campaign", "/tmp/x",
+                          "--head-pid", "1"], capture_output=True, text=True)
+    assert out.returncode == 2 and "--head-pid and --head-created go together" in out.stderr
