@@ -115,3 +115,13 @@ def test_a_head_pid_needs_its_create_time() -> None:
     out = subprocess.run([sys.executable, "-m", "milepost.tasks.lease_watch", "--campaign", "/tmp/x",
                           "--head-pid", "1"], capture_output=True, text=True)
     assert out.returncode == 2 and "--head-pid and --head-created go together" in out.stderr
+
+
+def test_the_orphan_grace_defaults_by_executor_and_takes_a_value() -> None:
+    from milepost.core.config import ClusterConfig
+
+    assert ClusterConfig().orphan_grace() == 120  # a local lease names its process: seen at once
+    assert ClusterConfig(executor="slurm").orphan_grace() == 1800  # an Airflow lease lapses on expiry
+    assert ClusterConfig(executor="slurm", orphan_grace_s=60).orphan_grace() == 60
+    with pytest.raises(ValueError, match="orphan_grace_s"):
+        ClusterConfig(orphan_grace_s=1)
