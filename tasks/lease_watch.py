@@ -24,6 +24,9 @@ as after a lost node).
 Rules:
 - dead = `live_lease` is None: no lease, an expired one, or one of a local process that is
   gone (the liveness rule of `milepost status`);
+- armed at the first live lease seen: a cluster started without one (a stage run by hand,
+  `bench/gpu_arith.py`) is nobody's to stop. (So a Slurm allocation that starts only after its
+  driver's lease expired is left to the next run's release; its time limit still holds.)
 - the clock restarts whenever a live lease is seen, so a stall shorter than the grace (a
   scheduler restart, a slow store) never stops a cluster in use;
 - a store that cannot be read counts as alive (logged): a storage hiccup must not stop a
@@ -51,9 +54,11 @@ def wait_until_orphaned(read_live: Callable[[], dict[str, Any] | None], grace_s:
                         sleep: Callable[[float], None] = time.sleep,
                         still_needed: Callable[[], bool] = lambda: True) -> float | None:
     """Poll `read_live` (the live lease, or None) every `interval_s` until it has been None for
-    `grace_s` on end; returns how long it was dead, or None as soon as `still_needed()` is
-    False (what it guards is gone). A raising `read_live` counts as alive."""
+    `grace_s` on end, after it was live at least once; returns how long it was dead, or None
+    as soon as `still_needed()` is False (what it guards is gone). A raising `read_live`
+    counts as alive."""
     dead_since: float | None = None
+    armed = False
     while True:
         if not still_needed():
             return None
@@ -64,7 +69,9 @@ def wait_until_orphaned(read_live: Callable[[], dict[str, Any] | None], grace_s:
             alive = True
         now = clock()
         if alive:
-            dead_since = None
+            armed, dead_since = True, None
+        elif not armed:
+            pass  # started without a live lease: nobody's cluster to stop
         elif dead_since is None:
             dead_since = now
             log(f"lease_watch: no live run holds the campaign's lease; the allocation stops in {grace_s:.0f} s "
