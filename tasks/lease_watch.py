@@ -74,7 +74,7 @@ def wait_until_orphaned(read_live: Callable[[], dict[str, Any] | None], grace_s:
             pass  # started without a live lease: nobody's cluster to stop
         elif dead_since is None:
             dead_since = now
-            log(f"lease_watch: no live run holds the campaign's lease; the allocation stops in {grace_s:.0f} s "
+            log(f"lease_watch: no live run holds the campaign's lease; this cluster stops in {grace_s:.0f} s "
                 "unless one comes back")
         elif now - dead_since >= grace_s:
             return now - dead_since
