@@ -19,8 +19,17 @@ import pytest
 from milepost.slurm.options import SlurmOptions
 from milepost.slurm.sbatch import RayAllocationSpec, RayPorts, render_ray_allocation
 from milepost.slurm.state import Outcome, SlurmStatePoller
+from milepost.tasks.local_ray import free_ray_ports
 
 GUARD_S = 180  # a guard against hanging forever, not a timing assertion
+
+
+def free_slot() -> RayPorts:
+    """A port slot free on this host now (the dev cluster's nodes share it), as the launchers
+    pick one: a slot taken (a listener, or on a busy machine an ephemeral connection or a
+    TIME_WAIT socket on one of its ports) makes the allocation exit 75, which the launcher
+    answers with the next slot and a test that submits its own script would fail on."""
+    return free_ray_ports(f"test-{uuid.uuid4()}")
 
 
 def processes_of(job_id: str) -> dict[int, str]:
@@ -63,7 +72,7 @@ def ray_temp_root():
 def test_ray_allocation_spans_both_nodes_and_cancel_stops_only_its_ray(dev_cluster, tmp_path, ray_temp_root):
     spec = RayAllocationSpec(
         job_name="mp-ray-test", options=SlurmOptions(nodes=2, time_min=10, mem_gb=1),
-        ports=RayPorts.for_campaign(f"test-{uuid.uuid4()}"), log_dir=str(tmp_path),
+        ports=free_slot(), log_dir=str(tmp_path),
         address_file=str(tmp_path / "it's the ray address"), python=sys.executable, join_timeout_s=120,
         ray_temp_root=ray_temp_root)
     script = tmp_path / "ray.sbatch"
@@ -119,7 +128,7 @@ def test_an_allocation_whose_driver_was_killed_stops_itself_after_the_grace(dev_
     grace_s = 6
     spec = RayAllocationSpec(
         job_name="mp-ray-orphan", options=SlurmOptions(nodes=2, time_min=10, mem_gb=1),
-        ports=RayPorts.for_campaign(f"test-{uuid.uuid4()}"), log_dir=str(tmp_path),
+        ports=free_slot(), log_dir=str(tmp_path),
         address_file=str(tmp_path / "ray-address"), python=sys.executable, join_timeout_s=120,
         ray_temp_root=ray_temp_root, campaign_url=str(campaign), orphan_grace_s=grace_s)
     script = tmp_path / "ray.sbatch"
