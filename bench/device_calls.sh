@@ -36,6 +36,7 @@ elif [ "$call" = sync ]; then
   step gpu_weight_sync 100 python3 bench/gpu_weight_sync.py --out "$OUT/gpu_weight_sync.txt"
 else
   step gpu_tests 150 python3 -m pytest -q -m gpu tests/gpu/test_fp8_linear_gpu.py tests/gpu/test_engine_gpu.py \
+      tests/gpu/test_packed_attention_gpu.py \
       tests/gpu/test_cuda_buffers_gpu.py -s
   step cuda_ipc_sync 60 python3 bench/cuda_ipc_sync.py --pushes 6
   cp bench/results/cuda_ipc_sync.txt "$OUT/" 2>/dev/null

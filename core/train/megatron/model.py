@@ -11,7 +11,6 @@ scaled-dot-product attention: Transformer Engine is not installed on the test ma
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from milepost.core.train.megatron import fusions
+from milepost.core.train.megatron.packed_attention import packed_attention
 
 SUPPORTED_ARCHITECTURES = ("qwen2", "qwen3", "qwen3_moe", "llama")
 
@@ -113,7 +113,7 @@ def spec_from_hf_config(cfg: Any, tensor_parallel: int = 1) -> ModelSpec:
 
 
 def sdpa_attention_class() -> type:
-    """`DotProductAttention` with torch's fused SDPA; packed (THD) batches attend per sequence."""
+    """`DotProductAttention` with torch's fused SDPA; packed (THD) batches through packed_attention."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     class SDPAttention(DotProductAttention):
@@ -123,18 +123,7 @@ def sdpa_attention_class() -> type:
             assert attention_bias is None, "attention bias is not supported"
             gqa = self.num_attention_heads_per_partition != self.num_query_groups_per_partition
             if packed_seq_params is not None:  # [t, heads, dim], sequences delimited by cu_seqlens
-                cu = packed_seq_params.cu_seqlens_q.tolist()
-                lengths = [b - a for a, b in itertools.pairwise(cu)]
-                # split, not x[a:b]: each slice's backward writes a zero-filled full-size gradient
-                # and adds it up (a packed H200 step at 8 sequences per micro-batch showed ~55 ms
-                # of those fills and adds); split's backward is one cat
-                outs = []
-                for q, k, v in zip(*(x.split(lengths, dim=0) for x in (query, key, value))):
-                    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-                    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
-                                                       enable_gqa=gqa)
-                    outs.append(o.squeeze(0).transpose(0, 1))
-                out = torch.cat(outs, dim=0)
+                out = packed_attention(query, key, value, packed_seq_params, self.softmax_scale, gqa)
                 return out.reshape(out.shape[0], -1)
             # [s, b, heads, dim] -> [b, heads, s, dim]; right padding only, so causal is exact
             q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
