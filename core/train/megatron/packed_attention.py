@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 _GROUPS_ATTR = "_milepost_length_groups"
+log = logging.getLogger("milepost.megatron")
 
 
 @dataclass(frozen=True)
@@ -120,7 +122,22 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tens
 def packed_attention(query: Tensor, key: Tensor, value: Tensor, packed_seq_params: Any, scale: float | None,
                      gqa: bool) -> Tensor:
     """Causal attention of a packed micro-batch: query [t, heads, d] -> [t, heads, d]."""
-    if varlen_usable(query):
+    varlen = varlen_usable(query)
+    _say_path(varlen, query)
+    if varlen:
         return varlen_attention(query, key, value, packed_seq_params.cu_seqlens_q,
                                 int(packed_seq_params.max_seqlen_q), scale)
     return grouped_attention(query, key, value, cached_length_groups(packed_seq_params), scale, gqa)
+
+
+
+_said: set[tuple[bool, str, torch.dtype]] = set()
+
+
+def _say_path(varlen: bool, query: Tensor) -> None:
+    """Logged once per process and path: which kernel a run's packed attention took."""
+    key = (varlen, query.device.type, query.dtype)
+    if key not in _said:
+        _said.add(key)
+        log.info("packed attention: %s (%s, %s, torch %s)", "flash varlen" if varlen else "SDPA grouped by length",
+                 query.device.type, str(query.dtype).removeprefix("torch."), torch.__version__)
