@@ -14,6 +14,7 @@ import socket
 import sys
 
 PORTS_TAKEN_EXIT = 75  # EX_TEMPFAIL: another slot will do
+TAKEN_MESSAGE = "port(s) of this Ray port slot are taken"  # the launcher reads it where sacct gives no exit code
 
 
 def port_free(port: int) -> bool:
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     taken = taken_ports(ports)
     if taken:
         shown = ", ".join(map(str, taken[:8])) + (" …" if len(taken) > 8 else "")
-        print(f"port_check: {len(taken)} port(s) of this Ray port slot are taken on {socket.gethostname()} "
+        print(f"port_check: {len(taken)} {TAKEN_MESSAGE} on {socket.gethostname()} "
               f"({shown}); another Ray cluster or service holds them: the launcher moves to the next slot",
               file=sys.stderr)
         return PORTS_TAKEN_EXIT

@@ -39,7 +39,10 @@ from milepost.tasks.local_ray import free_ray_ports, start_lease_watch, start_lo
 from milepost.tasks.ray_auth import ray_auth_env
 
 LAUNCH_TIMEOUT_S = 600
-LAUNCH_ATTEMPTS = 3
+# An allocation whose head found a port of its slot taken exits PORTS_TAKEN_EXIT and is
+# submitted again on the next slot; any other failure is the user's to see at once (a bad
+# partition or account fails the same way on every slot, and each try costs a queue wait).
+PORT_SLOT_TRIES = 8
 
 
 def start_ray(ctx: StageContext) -> dict[str, Any]:
@@ -67,16 +70,22 @@ def _launch_local(ctx: StageContext) -> dict[str, Any]:
 
 
 def _launch_slurm(ctx: StageContext) -> dict[str, Any]:
-    """Submit the allocation; if it dies before every node joined (e.g. a port of the
-    campaign's slot was taken on the head node), try the next port slot, twice."""
-    for attempt in range(LAUNCH_ATTEMPTS):
+    """Submit the allocation; if its head found a port of the campaign's slot taken (exit
+    PORTS_TAKEN_EXIT), submit again on the next slot, up to PORT_SLOT_TRIES slots. Any
+    other failure before every node joined is raised at once with the allocation's log."""
+    for attempt in range(PORT_SLOT_TRIES):
         job_id, address_file = _submit_allocation(ctx, attempt)
         try:
             address = _wait_for_address(job_id, address_file, Path(ctx.block_path("logs")))
             break
-        except AllocationFailed:
-            if attempt == LAUNCH_ATTEMPTS - 1:
+        except AllocationFailed as exc:
+            if not exc.ports_taken:
                 raise
+            if attempt == PORT_SLOT_TRIES - 1:
+                raise AllocationFailed(f"{exc}\nEvery one of {PORT_SLOT_TRIES} Ray port slots tried had a port "
+                                       "taken on its head node: other Ray clusters or services hold them. Stop "
+                                       "leftover clusters (`ray stop` on that node) or ask for another node "
+                                       "(cluster.slurm.exclude).") from None
     record = ctx.update(Stage.START_RAY, address=address)
     return {"mode": "slurm", "job_id": job_id, "address": address, "num_nodes": ctx.recipe.cluster.num_nodes,
             "node_ips": _node_ips(ctx), "submitted_at": record.outputs["submitted_at"]}
@@ -108,7 +117,9 @@ def _submit_allocation(ctx: StageContext, attempt: int) -> tuple[str, Path]:
 
 
 class AllocationFailed(RuntimeError):
-    pass
+    def __init__(self, message: str, ports_taken: bool = False) -> None:
+        super().__init__(message)
+        self.ports_taken = ports_taken  # the head's port check failed: another slot may do
 
 
 def _wait_for_address(job_id: str, address_file: Path, log_dir: Path) -> str:
@@ -123,9 +134,18 @@ def _wait_for_address(job_id: str, address_file: Path, log_dir: Path) -> str:
             err = log_dir / f"ray-{job_id}.err"
             tail = err.read_text()[-3000:] if err.exists() else "(no log)"
             raise AllocationFailed(f"Ray allocation {job_id} ended or timed out ({state.slurm_state}) before every "
-                               f"node joined; its log {err}:\n{tail}")
+                                   f"node joined; its log {err}:\n{tail}",
+                                   ports_taken=_ports_taken(state.exit_code, tail))
         time.sleep(0.5)
     return address_file.read_text().strip()
+
+
+def _ports_taken(exit_code: str, log_tail: str) -> bool:
+    """Did the allocation end on its head's port check? By sacct's exit code, or (squeue
+    gives none) by the check's own line in the allocation's log."""
+    from milepost.slurm.port_check import PORTS_TAKEN_EXIT, TAKEN_MESSAGE
+
+    return exit_code.split(":")[0] == str(PORTS_TAKEN_EXIT) or TAKEN_MESSAGE in log_tail
 
 
 def _node_ips(ctx: StageContext) -> list[str]:

@@ -193,6 +193,36 @@ def test_cancelling_the_allocation_stops_its_block_and_nothing_else(dev_cluster,
     assert not _alive(other_tree)
 
 
+def test_a_taken_port_slot_moves_the_allocation_to_the_next_slot(dev_cluster, tmp_path):
+    """The campaign's Ray port slot has a port taken on the head node: the allocation exits
+    PORTS_TAKEN_EXIT before starting Ray, and the launcher submits it again on the next
+    slot, where it starts; the first allocation's log says why."""
+    import socket
+
+    from milepost.core.recipe_io import load_recipe
+    from milepost.slurm.port_check import TAKEN_MESSAGE
+    from milepost.slurm.sbatch import RayPorts
+    from milepost.tasks.block_driver import BlockDriver
+    from milepost.tasks.campaign import prepare_campaign
+
+    os.environ["MILEPOST_CACHE"] = str(tmp_path / "cache")
+    mine = prepare_campaign(load_recipe(ROOT / "recipes/tiny-arith.yaml", OVERRIDES + SLURM), str(tmp_path / "a"))
+    driver = BlockDriver(mine.store, mine.recipe)
+    holder = socket.socket()
+    holder.bind(("0.0.0.0", RayPorts.for_campaign(mine.store.url).dashboard))  # the dev nodes share this host
+    holder.listen()
+    try:
+        driver.run_stage(0, Stage.START_RAY)
+        launch = _record(tmp_path / "a", "start_ray")
+        assert launch.get("attempt") == 1, launch
+        first_logs = [p for p in (tmp_path / "a/blocks/000000/logs").glob("ray-*.err")
+                      if p.name != f"ray-{launch['job_id']}.err"]
+        assert any(TAKEN_MESSAGE in p.read_text() for p in first_logs), [p.read_text()[-500:] for p in first_logs]
+    finally:
+        holder.close()
+        driver.teardown(0)
+
+
 def _metrics(campaign: Path) -> list[dict]:
     path = campaign / "blocks/000000/metrics.jsonl"
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
