@@ -84,8 +84,8 @@ def _launch_slurm(ctx: StageContext) -> dict[str, Any]:
             if attempt == PORT_SLOT_TRIES - 1:
                 raise AllocationFailed(f"{exc}\nEvery one of {PORT_SLOT_TRIES} Ray port slots tried had a port "
                                        "taken on its head node: other Ray clusters or services hold them. Stop "
-                                       "leftover clusters (`ray stop` on that node) or ask for another node "
-                                       "(cluster.slurm.exclude).") from None
+                                       "leftover clusters (`ray stop` on that node) or keep that node out "
+                                       "(cluster.slurm.extra: {exclude: NODE}).") from None
     record = ctx.update(Stage.START_RAY, address=address)
     return {"mode": "slurm", "job_id": job_id, "address": address, "num_nodes": ctx.recipe.cluster.num_nodes,
             "node_ips": _node_ips(ctx), "submitted_at": record.outputs["submitted_at"]}
