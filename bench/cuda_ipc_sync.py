@@ -15,9 +15,9 @@ tests/gpu/test_cuda_buffers_gpu.py run the whole push over HTTP). Rows:
   (pack_parameters: the engine copies straight out of the trainer's weights).
 The floor: one device-to-device copy of the same bytes in one process.
 
-    python bench/cuda_ipc_sync.py [--params-gb 0.99] [--bucket-mb 512] [--pushes 5]
+    python bench/cuda_ipc_sync.py [--params-gb 0.99] [--bucket-mb 512] [--pushes 5] [--out FILE]
 
-Prints the table and writes it to bench/results/cuda_ipc_sync.txt (with the device).
+Prints the table and writes it to FILE (bench/results/cuda_ipc_sync.txt), with the device.
 """
 
 from __future__ import annotations
@@ -234,6 +234,7 @@ def main() -> None:
     parser.add_argument("--params-gb", type=float, default=0.99)
     parser.add_argument("--bucket-mb", type=int, default=512)
     parser.add_argument("--pushes", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     specs = model_specs(args.params_gb)
     nbytes = sum(wire.spec_nbytes(s) for s in specs)
@@ -262,8 +263,8 @@ def main() -> None:
                  f"{ratio('sglang-reopen'):.3f})")
     text = "\n".join(lines) + "\n"
     print(text, end="")
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
 
 
 if __name__ == "__main__":

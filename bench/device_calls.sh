@@ -4,9 +4,9 @@
 # CALL_LIMIT_S (default 575) bounds a call.
 #   source bench/device_calls.sh arith     gpu-arith end to end (build, 2 blocks, a kill and resume)
 #   source bench/device_calls.sh figures   training: bf16, two fp8 recipes and int4_qat side by side
-#   source bench/device_calls.sh sync      rollout precision, GPU weight sync (on a two-GPU kind, e.g.
+#   source bench/device_calls.sh sync      rollout precision, GPU weight sync, the CUDA-IPC push mechanism (on a two-GPU kind, e.g.
 #                                          nvidia-h100-x2, also NCCL to an engine on the second GPU)
-#   source bench/device_calls.sh tests     the GPU tests, the CUDA-IPC push bench, warm-start speed
+#   source bench/device_calls.sh tests     the GPU tests, warm-start speed
 # Everything a call writes comes back in $OUT/results.tgz (and $OUT/steps.txt).
 call=${1:?arith, figures, sync or tests}
 SECONDS=0
@@ -34,12 +34,14 @@ elif [ "$call" = sync ]; then
   step rollout_precision 90 python3 bench/rollout_precision.py
   cp bench/results/rollout_precision_gpu.* "$OUT/" 2>/dev/null
   step gpu_weight_sync 100 python3 bench/gpu_weight_sync.py --out "$OUT/gpu_weight_sync.txt"
+  # the mechanism alone (no HTTP) at the 0.5 B and the 1.7 B shapes: its fixed per-push cost against bytes
+  step cuda_ipc_sync 60 python3 bench/cuda_ipc_sync.py --pushes 6 --out "$OUT/cuda_ipc_sync.txt"
+  step cuda_ipc_sync_3gb 80 python3 bench/cuda_ipc_sync.py --params-gb 3.4 --bucket-mb 1024 --pushes 6 \
+      --out "$OUT/cuda_ipc_sync_3gb.txt"
 else
   step gpu_tests 150 python3 -m pytest -q -m gpu tests/gpu/test_fp8_linear_gpu.py tests/gpu/test_engine_gpu.py \
       tests/gpu/test_packed_attention_gpu.py \
       tests/gpu/test_cuda_buffers_gpu.py -s
-  step cuda_ipc_sync 60 python3 bench/cuda_ipc_sync.py --pushes 6
-  cp bench/results/cuda_ipc_sync.txt "$OUT/" 2>/dev/null
   step warmstart_speed 150 python3 bench/warmstart_speed.py --out "$OUT/warmstart_speed_gpu.txt"
 fi
 tail -n 4 "$OUT"/*.log
