@@ -89,6 +89,9 @@ class RayAllocationSpec(BaseModel):
         None, description="The campaign whose lease the allocation watches once up (tasks/lease_watch.py): "
                           "it stops itself when no run has held that lease for `orphan_grace_s`. None: no watch.")
     orphan_grace_s: int = Field(1800, ge=1)
+    watch_armed: bool = Field(False, description="A live run held the lease at submission: the watch counts "
+                                                 "from its start (an allocation that waited in the queue past "
+                                                 "its driver's death still stops).")
 
     @field_validator("job_name", "log_dir")
     @classmethod
@@ -133,7 +136,7 @@ def shell_values(spec: RayAllocationSpec) -> list[str]:
         "NODE_PORT_BASE": p.node_base, "MIN_WORKER_PORT": p.min_worker, "MAX_WORKER_PORT": p.max_worker,
         "NUM_GPUS_PER_NODE": spec.options.gpus_per_node, "JOIN_TIMEOUT_S": spec.join_timeout_s,
         "INCLUDE_DASHBOARD": str(spec.include_dashboard).lower(), "CAMPAIGN_URL": spec.campaign_url or "",
-        "ORPHAN_GRACE_S": spec.orphan_grace_s,
+        "ORPHAN_GRACE_S": spec.orphan_grace_s, "WATCH_ARMED": "1" if spec.watch_armed else "",
     }
     lines = [f"{k}={shlex.quote(str(v))}" for k, v in values.items()]
     lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(spec.env.items())]
@@ -244,7 +247,8 @@ echo "Ray cluster of ${#NODES[@]} nodes up at $ADDRESS"
 # milepost.tasks.lease_watch exits 0). A watch that fails is logged and dropped, never a
 # reason to stop a cluster in use.
 if [ -n "$CAMPAIGN_URL" ]; then
-  "$PYTHON" -m milepost.tasks.lease_watch --campaign "$CAMPAIGN_URL" --grace-s "$ORPHAN_GRACE_S" &
+  "$PYTHON" -m milepost.tasks.lease_watch --campaign "$CAMPAIGN_URL" --grace-s "$ORPHAN_GRACE_S" \
+    ${WATCH_ARMED:+--armed} &
   WATCH_PID=$!
 fi
 while true; do

@@ -1,6 +1,6 @@
 """The dead driver's switch of a block's Ray cluster.
 
-    python -m milepost.tasks.lease_watch --campaign URL --grace-s 1800 [--interval-s 30]
+    python -m milepost.tasks.lease_watch --campaign URL --grace-s 1800 [--interval-s 30] [--armed]
         [--head-pid PID --head-created T --temp-dir DIR]
 
 Exits 0 once no live process has held the campaign's lease (tasks/lease.py) for `--grace-s`
@@ -24,9 +24,11 @@ as after a lost node).
 Rules:
 - dead = `live_lease` is None: no lease, an expired one, or one of a local process that is
   gone (the liveness rule of `milepost status`);
-- armed at the first live lease seen: a cluster started without one (a stage run by hand,
-  `bench/gpu_arith.py`) is nobody's to stop. (So a Slurm allocation that starts only after its
-  driver's lease expired is left to the next run's release; its time limit still holds.)
+- armed at the first live lease seen, or from the start with `--armed`: the launcher passes
+  it when a live run held the lease as it launched the cluster, so a Slurm allocation that
+  only starts after its driver died (it waited in the queue) still stops after the grace.
+  A cluster launched without a live lease (a stage run by hand, `bench/gpu_arith.py`) and
+  never seeing one is nobody's to stop.
 - the clock restarts whenever a live lease is seen, so a stall shorter than the grace (a
   scheduler restart, a slow store) never stops a cluster in use;
 - a store that cannot be read counts as alive (logged): a storage hiccup must not stop a
@@ -52,13 +54,12 @@ DEFAULT_INTERVAL_S = 30.0
 def wait_until_orphaned(read_live: Callable[[], dict[str, Any] | None], grace_s: float, interval_s: float,
                         log: Callable[[str], None], clock: Callable[[], float] = time.monotonic,
                         sleep: Callable[[float], None] = time.sleep,
-                        still_needed: Callable[[], bool] = lambda: True) -> float | None:
+                        still_needed: Callable[[], bool] = lambda: True, armed: bool = False) -> float | None:
     """Poll `read_live` (the live lease, or None) every `interval_s` until it has been None for
-    `grace_s` on end, after it was live at least once; returns how long it was dead, or None
-    as soon as `still_needed()` is False (what it guards is gone). A raising `read_live`
-    counts as alive."""
+    `grace_s` on end, after it was live at least once (or from the start: `armed`); returns
+    how long it was dead, or None as soon as `still_needed()` is False (what it guards is
+    gone). A raising `read_live` counts as alive."""
     dead_since: float | None = None
-    armed = False
     while True:
         if not still_needed():
             return None
@@ -86,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--campaign", required=True, help="the campaign's store URL")
     parser.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S)
     parser.add_argument("--interval-s", type=float, default=DEFAULT_INTERVAL_S)
+    parser.add_argument("--armed", action="store_true",
+                        help="a live run held the lease when it launched this cluster: count from the start")
     parser.add_argument("--head-pid", type=int, help="a local head to stop when orphaned (with --head-created)")
     parser.add_argument("--head-created", type=float, help="the head process's create time (pid reuse guard)")
     parser.add_argument("--temp-dir", help="the local head's temp dir (finds its processes)")
@@ -111,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             return False
 
     dead_for = wait_until_orphaned(lambda: live_lease(store), args.grace_s, min(args.interval_s, args.grace_s), log,
-                                   still_needed=head_alive)
+                                   still_needed=head_alive, armed=args.armed)
     if dead_for is None:
         log("lease_watch: the local Ray head is gone (torn down): nothing to guard")
         return 0

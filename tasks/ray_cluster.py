@@ -64,7 +64,7 @@ def _launch_local(ctx: StageContext) -> dict[str, Any]:
     # stops the head if the driver is killed and nothing resumes the campaign (tasks/lease_watch.py)
     url = ctx.url if "://" in ctx.url else os.path.abspath(ctx.url)  # the watch outlives this cwd's meaning
     watch_pid = start_lease_watch(url, head, temp_dir, ctx.recipe.cluster.orphan_grace(),
-                                  Path(ctx.block_path("logs", "lease-watch.log")))
+                                  Path(ctx.block_path("logs", "lease-watch.log")), armed=_run_holds_lease(ctx))
     return {"mode": "local", "temp_dir": temp_dir, "launched_at": launched_at, **head, "num_nodes": 1,
             "lease_watch_pid": watch_pid}
 
@@ -105,7 +105,7 @@ def _submit_allocation(ctx: StageContext, attempt: int) -> tuple[str, Path]:
         ports=RayPorts.for_campaign(slot_id), log_dir=str(log_dir), address_file=str(address_file),
         python=sys.executable, ray_temp_root="/tmp", join_timeout_s=LAUNCH_TIMEOUT_S,
         env=ray_auth_env(ctx.store),  # a token path on the shared store, never the token
-        campaign_url=ctx.url, orphan_grace_s=cluster.orphan_grace())
+        campaign_url=ctx.url, orphan_grace_s=cluster.orphan_grace(), watch_armed=_run_holds_lease(ctx))
     script = Path(ctx.block_path("ray.sbatch"))
     script.write_text(render_ray_allocation(spec))
     job_id = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True,
@@ -114,6 +114,17 @@ def _submit_allocation(ctx: StageContext, attempt: int) -> tuple[str, Path]:
     first = (earlier.outputs.get("submitted_at") if earlier else None) or time.time()
     ctx.update(Stage.START_RAY, mode="slurm", job_id=job_id, submitted_at=first, attempt=attempt)
     return job_id, address_file
+
+
+def _run_holds_lease(ctx: StageContext) -> bool:
+    """Is a live run (a `milepost run`, an Airflow run) behind this launch? Then the cluster's
+    lease watch is armed from its start (tasks/lease_watch.py)."""
+    from milepost.tasks.status import live_lease
+
+    try:
+        return live_lease(ctx.store) is not None
+    except Exception:  # noqa: BLE001 - unreadable now: the watch arms at the first live lease it reads
+        return False
 
 
 class AllocationFailed(RuntimeError):

@@ -62,6 +62,15 @@ def test_a_store_that_cannot_be_read_counts_as_alive() -> None:
     assert any("could not be read" in line and "store unreachable" in line for line in script.logs)
 
 
+def test_an_armed_watch_counts_from_its_start() -> None:
+    # a Slurm allocation submitted by a live run that started only after its driver died
+    # (it waited in the queue): the lease is dead from the first read, and the watch ends
+    script = Script([None] * 10)
+    assert wait_until_orphaned(script.read_live, 30.0, 10.0, script.logs.append, clock=lambda: script.now,
+                               sleep=script._sleep, armed=True) == 30.0
+    assert script.reads == 4
+
+
 def test_a_cluster_started_without_a_live_lease_is_not_the_watchs_to_stop() -> None:
     # a stage run by hand, a bench: no run ever held the lease, so the watch is never armed
     script = Script([None] * 50)

@@ -38,7 +38,7 @@ def golden_spec() -> RayAllocationSpec:
         address_file="/shared/campaigns/tiny-arith/blocks/000003/ray-address",
         python="/shared/venvs/milepost/bin/python", ray_temp_root="/tmp", join_timeout_s=900,
         env={"HF_HOME": "/shared/hf", "NCCL_DEBUG": "WARN"}, campaign_url="/shared/campaigns/tiny-arith",
-        orphan_grace_s=1800)
+        orphan_grace_s=1800, watch_armed=True)
 
 
 def test_rendered_script_matches_the_golden_file():

@@ -43,7 +43,7 @@ s.bind(('127.0.0.1', int(os.environ['GCS_PORT']))); s.listen(); time.sleep(120)"
   *milepost.slurm.ray_join*)
     if [ -n "$JOIN_PUBLISHES" ]; then sleep 1; echo "127.0.0.1:$GCS_PORT" > "$ADDRESS_FILE_FOR_TEST"; exit 0; fi
     echo $$ > "$JOIN_PID_FILE"; exec sleep 120 ;;
-  *milepost.tasks.lease_watch*) echo $$ > "$WATCH_PID_FILE"; sleep "$WATCH_SLEEP_S"; exit "$WATCH_RC" ;;
+  *milepost.tasks.lease_watch*) echo $$ > "$WATCH_PID_FILE"; echo "$*" > "$WATCH_PID_FILE.args"; sleep "$WATCH_SLEEP_S"; exit "$WATCH_RC" ;;
 esac
 """
 
@@ -59,7 +59,8 @@ def _free_port_block(size: int) -> int:
     raise RuntimeError("no free port block")
 
 
-def _allocation(tmp_path: Path, campaign_url: str | None = None) -> tuple[Path, dict[str, str], Path]:
+def _allocation(tmp_path: Path, campaign_url: str | None = None,
+                watch_armed: bool = False) -> tuple[Path, dict[str, str], Path]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("python", FAKE_PYTHON)):
@@ -71,7 +72,8 @@ def _allocation(tmp_path: Path, campaign_url: str | None = None) -> tuple[Path, 
     address_file = tmp_path / "ray-address"
     spec = RayAllocationSpec(job_name="t", options=SlurmOptions(nodes=2), ports=ports, log_dir=str(tmp_path),
                              address_file=str(address_file), python=str(bin_dir / "python"),
-                             ray_temp_root=str(tmp_path), join_timeout_s=600, campaign_url=campaign_url)
+                             ray_temp_root=str(tmp_path), join_timeout_s=600, campaign_url=campaign_url,
+                             watch_armed=watch_armed)
     script = tmp_path / "ray.sbatch"
     script.write_text(render_ray_allocation(spec))
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "n[1-2]",
@@ -133,10 +135,12 @@ def test_when_every_node_joins_the_allocation_holds_with_the_address_published(t
     assert "Ray node exited" not in err and "before every node joined" not in err, err
 
 
-def _held_then(tmp_path: Path, watch_sleep_s: float, watch_rc: int) -> tuple[subprocess.Popen, Path]:
+def _held_then(tmp_path: Path, watch_sleep_s: float, watch_rc: int,
+               watch_armed: bool = False) -> tuple[subprocess.Popen, Path]:
     """A formed two-node allocation that watches a campaign's lease; the fake watch exits
     `watch_rc` after `watch_sleep_s`."""
-    script, env, address_file = _allocation(tmp_path, campaign_url=str(tmp_path / "campaign"))
+    script, env, address_file = _allocation(tmp_path, campaign_url=str(tmp_path / "campaign"),
+                                            watch_armed=watch_armed)
     env = {**env, "WORKER_LIVES": "1", "JOIN_PUBLISHES": "1", "WATCH_SLEEP_S": str(watch_sleep_s),
            "WATCH_RC": str(watch_rc)}
     proc = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -144,8 +148,9 @@ def _held_then(tmp_path: Path, watch_sleep_s: float, watch_rc: int) -> tuple[sub
     return proc, address_file
 
 
-def test_an_allocation_whose_campaign_lease_stays_dead_stops_itself(tmp_path) -> None:
-    proc, address_file = _held_then(tmp_path, watch_sleep_s=3, watch_rc=0)
+@pytest.mark.parametrize("armed", [False, True])
+def test_an_allocation_whose_campaign_lease_stays_dead_stops_itself(tmp_path, armed) -> None:
+    proc, address_file = _held_then(tmp_path, watch_sleep_s=3, watch_rc=0, watch_armed=armed)
     try:
         _, err = proc.communicate(timeout=GUARD_S)
     finally:
@@ -153,6 +158,7 @@ def test_an_allocation_whose_campaign_lease_stays_dead_stops_itself(tmp_path) ->
     assert proc.returncode == 0, err
     assert "lease; stopping the allocation" in err and "stopping this allocation's Ray" in err, err
     assert (tmp_path / "watch.pid").exists(), "the watch never ran"
+    assert ("--armed" in (tmp_path / "watch.pid.args").read_text().split()) == armed
     assert not address_file.exists(), "the address must not outlive the cluster"
 
 
