@@ -184,13 +184,15 @@ def engine(conn, specs: list[wire.Spec], keep_mappings: bool) -> None:
     conn.send({k: v / max(pushes, 1) for k, v in phases.items()})
 
 
-def device_copy_s(nbytes: int, repeats: int = 5, device: str = "cuda") -> float:
-    """Seconds of one copy of `nbytes` within the device's memory (the floor pushes are held to)."""
+def device_copy_s(nbytes: int, repeats: int = 5, device: str = "cuda", to_device: str | None = None) -> float:
+    """Seconds of one copy of `nbytes` within the device's memory (the floor pushes are held
+    to), or from `device` to `to_device` (GPU to GPU: the floor of a cross-GPU push)."""
     def sync() -> None:
-        if device == "cuda":
-            torch.cuda.synchronize()
+        for d in {device, to_device or device}:
+            if d.startswith("cuda"):
+                torch.cuda.synchronize(d)
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=to_device or device)
     dst.copy_(src)
     sync()
     start = time.perf_counter()

@@ -64,17 +64,7 @@ def _device_name() -> str:
 
 def peer_copy_s(nbytes: int, repeats: int = 10) -> float:
     """Seconds of one copy of `nbytes` from GPU 0 to GPU 1 (the floor of a cross-GPU push)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
-    dst.copy_(src)
-    torch.cuda.synchronize("cuda:0")
-    torch.cuda.synchronize("cuda:1")
-    start = time.perf_counter()
-    for _ in range(repeats):
-        dst.copy_(src)
-    torch.cuda.synchronize("cuda:0")
-    torch.cuda.synchronize("cuda:1")
-    return (time.perf_counter() - start) / repeats
+    return device_copy_s(nbytes, repeats, "cuda:0", "cuda:1")
 
 
 def timed(transport: Any, client: Any, source: Any, pushes: int, tag: str, nbytes: int,
