@@ -33,6 +33,7 @@ megatron's optimizer on GPU; fp32 parameters on CPU); gradients come back in its
 from __future__ import annotations
 
 import functools
+import types
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -111,11 +112,17 @@ def quantize_t(x: Tensor, dtype: torch.dtype, dim: int | None, layout: Layout = 
 
 @functools.cache
 def _compiled_quantize(dtype: torch.dtype, dim: int | None, layout: Layout = "row") -> Any:
-    """`quantize_t(·, dtype, dim, layout)` compiled (a cache per combination: no recompiles
-    between them)."""
+    """`quantize_t(·, dtype, dim, layout)` compiled, each combination with a code object of its
+    own. Why: dynamo keeps its compiled graphs, and its limit of 8 (`recompile_limit`), per code
+    object, and closures of one function share theirs: the combinations a run casts with (x, w
+    and g, with and without backward, rowwise dims) and the grad modes they are called under
+    went past 8, after which dynamo ran the rest EAGER, silently but for one warning."""
     def quantize_one(x: Tensor) -> tuple[Tensor, ...]:
         return quantize_t(x, dtype, dim, layout)
-    return torch.compile(quantize_one, dynamic=True)
+    tag = f"{str(dtype).removeprefix('torch.')}_{dim}_{layout}"
+    own = types.FunctionType(quantize_one.__code__.replace(co_name=f"quantize_{tag}"), quantize_one.__globals__,
+                             f"quantize_{tag}", None, quantize_one.__closure__)
+    return torch.compile(own, dynamic=True)
 
 
 def cast(x: Tensor, dtype: torch.dtype, dim: int | None, recipe: Fp8Recipe,

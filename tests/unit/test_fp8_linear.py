@@ -190,6 +190,24 @@ def test_the_compiled_casts_the_gpu_uses_equal_the_eager_ones_bit_for_bit() -> N
         assert all(torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) for q, q0 in zip(qs, qs0))
 
 
+def test_every_cast_combination_stays_compiled(caplog) -> None:
+    """Dynamo keeps its graphs, and a limit of 8, per code object: each combination has its
+    own, so all of them, under both grad modes, compile (none falls back to eager)."""
+    from torch._dynamo.utils import counters
+
+    combos = [(E4M3, None, "both"), (E4M3, None, "row"), (E5M2, None, "both"), (E5M2, None, "col"),
+              (E4M3, 1, "row"), (E4M3, 0, "col"), (E5M2, 1, "row"), (E5M2, 0, "col")]
+    frames = dict(counters["frames"])
+    for grad_mode in (True, False):
+        with torch.set_grad_enabled(grad_mode):
+            for combo in combos:
+                _compiled_quantize(*combo)(torch.randn(32, 48, dtype=torch.bfloat16))
+    assert "recompile_limit" not in caplog.text
+    compiled = counters["frames"]["ok"] - frames.get("ok", 0)
+    attempted = counters["frames"]["total"] - frames.get("total", 0)
+    assert compiled == attempted, (compiled, attempted)
+
+
 def test_a_per_tensor_cast_in_both_layouts_is_the_row_cast_and_its_transpose() -> None:
     x = torch.randn(40, 24) * 3
     q, q_t, s = quantize_t(x, E4M3, None, "both")
