@@ -22,6 +22,8 @@ source bench/device_loop_env.sh pack || return 1
 echo "installed after ${SECONDS} s" | tee -a "$OUT/steps.txt"
 { date -u; nvidia-smi -L; } > "$OUT/machine.txt"
 if [ "$call" = arith ]; then
+  # ~10 s: which packed-attention kernel this torch gives megatron, and its speed against the old loop
+  step packed_attention 40 python3 bench/packed_attention.py --out "$OUT/packed_attention_gpu.txt"
   step gpu_arith $(( $(left) - 5 )) python3 bench/gpu_arith.py --campaign /tmp/gpu-arith-campaign
   tail -n 30 "$OUT/gpu_arith.log"
 elif [ "$call" = figures ]; then
