@@ -43,7 +43,8 @@ s.bind(('127.0.0.1', int(os.environ['GCS_PORT']))); s.listen(); time.sleep(120)"
   *milepost.slurm.ray_join*)
     if [ -n "$JOIN_PUBLISHES" ]; then sleep 1; echo "127.0.0.1:$GCS_PORT" > "$ADDRESS_FILE_FOR_TEST"; exit 0; fi
     echo $$ > "$JOIN_PID_FILE"; exec sleep 120 ;;
-  *milepost.tasks.lease_watch*) echo $$ > "$WATCH_PID_FILE"; echo "$*" > "$WATCH_PID_FILE.args"; sleep "$WATCH_SLEEP_S"; exit "$WATCH_RC" ;;
+  *milepost.tasks.lease_watch*)
+    echo $$ > "$WATCH_PID_FILE"; echo "$*" > "$WATCH_PID_FILE.args"; sleep "$WATCH_SLEEP_S"; exit "$WATCH_RC" ;;
 esac
 """
 
