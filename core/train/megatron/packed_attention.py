@@ -87,7 +87,7 @@ def grouped_attention(query: Tensor, key: Tensor, value: Tensor, groups: LengthG
 
 
 @functools.cache
-def _varlen() -> Callable[..., Tensor] | None:
+def _varlen() -> Callable[..., Any] | None:
     """torch's varlen_attn bound to causal masking (torch 2.10 spells it is_causal, later
     torches window_size=(-1, 0)), or None where this torch has none."""
     try:
@@ -98,7 +98,7 @@ def _varlen() -> Callable[..., Tensor] | None:
     if "window_size" in params:
         return functools.partial(varlen_attn, window_size=(-1, 0))
     if "is_causal" in params:
-        return functools.partial(varlen_attn, is_causal=True)
+        return functools.partial(varlen_attn, **{"is_causal": True})  # torch 2.10's spelling
     return None
 
 
@@ -116,7 +116,8 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tens
         repeat = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
     cu = cu_seqlens.to(torch.int32)
-    return attend(query, key, value, cu, cu, max_seqlen, max_seqlen, scale=scale)
+    out: Tensor = attend(query, key, value, cu, cu, max_seqlen, max_seqlen, scale=scale)
+    return out
 
 
 def packed_attention(query: Tensor, key: Tensor, value: Tensor, packed_seq_params: Any, scale: float | None,
