@@ -91,14 +91,15 @@ def _varlen() -> Callable[..., Any] | None:
     """torch's varlen_attn bound to causal masking (torch 2.10 spells it is_causal, later
     torches window_size=(-1, 0)), or None where this torch has none."""
     try:
-        from torch.nn.attention.varlen import varlen_attn
+        from torch.nn.attention.varlen import varlen_attn as imported
     except ImportError:
         return None
+    varlen_attn: Callable[..., Any] = imported  # its signature differs by torch version
     params = inspect.signature(varlen_attn).parameters
     if "window_size" in params:
         return functools.partial(varlen_attn, window_size=(-1, 0))
     if "is_causal" in params:
-        return functools.partial(varlen_attn, **{"is_causal": True})  # torch 2.10's spelling
+        return functools.partial(varlen_attn, is_causal=True)  # torch 2.10's spelling
     return None
 
 
