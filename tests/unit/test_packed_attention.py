@@ -81,3 +81,11 @@ def test_grouping_is_computed_once_per_micro_batch():
     out = packed_attention(q.float(), k.float(), v.float(), params, None, False)
     assert out.shape == q.shape
     assert not varlen_usable(q.float())  # CPU: the grouped path
+
+
+def test_the_path_a_rank_reports():
+    from milepost.core.train.megatron.packed_attention import GROUPED, VARLEN, kernel_for
+
+    assert kernel_for(torch.device("cpu"), torch.bfloat16) == GROUPED
+    assert kernel_for(torch.device("cuda", 0), torch.float32) == GROUPED  # flash takes 16-bit only
+    assert kernel_for(torch.device("cuda", 0), torch.bfloat16) == VARLEN  # this torch has varlen_attn

@@ -79,7 +79,9 @@ class MegatronBackend(Rank0WeightSource):
         try:
             port = ray.get(actors[0].free_port.remote())
             backend.infos = ray.get([a.setup.remote(port) for a in actors])
-            log.info("megatron: %d rank(s) on %s", world, sorted({i["device"] for i in backend.infos}))
+            log.info("megatron: %d rank(s) on %s; packed attention: %s", world,
+                     sorted({i["device"] for i in backend.infos}),
+                     ", ".join(sorted({str(i.get("packed_attention", "?")) for i in backend.infos})))
         except Exception:
             backend.shutdown()
             raise

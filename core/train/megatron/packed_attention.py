@@ -14,6 +14,7 @@ Two paths, the same numbers up to kernel rounding:
   (a gather, the calls, one un-permute). Everywhere else: CPU, fp32, older torch. The
   grouping is computed once per micro-batch and kept on its PackedSeqParams (every layer
   shares it), so it synchronises once per micro-batch, not per layer.
+Each rank reports its path at setup (`kernel_for`); the run_steps stage log shows it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +31,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 _GROUPS_ATTR = "_milepost_length_groups"
-log = logging.getLogger("milepost.megatron")
 
 
 @dataclass(frozen=True)
@@ -104,13 +103,23 @@ def _varlen() -> Callable[..., Any] | None:
 
 
 def varlen_usable(query: Tensor) -> bool:
-    return query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and _varlen() is not None
+    return kernel_for(query.device, query.dtype) == VARLEN
+
+
+VARLEN, GROUPED = "flash varlen", "SDPA grouped by length"
+
+
+def kernel_for(device: torch.device, dtype: torch.dtype) -> str:
+    """Which path packed attention takes for activations of `dtype` on `device` (the rank
+    reports it at setup: its log line is in the run_steps stage log)."""
+    usable = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and _varlen() is not None
+    return VARLEN if usable else GROUPED
 
 
 def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, max_seqlen: int,
                      scale: float | None) -> Tensor:
-    """The flash varlen kernel; grouped-query key/value heads are repeated when this torch's
-    varlen_attn takes no enable_gqa."""
+    """The flash varlen kernel; grouped-query key/value heads are repeated to the query's
+    (varlen_attn takes GQA only in torches newer than the lent GPU's 2.11)."""
     attend = _varlen()
     assert attend is not None, "varlen_usable() first"
     if key.shape[1] != query.shape[1]:
@@ -124,22 +133,9 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tens
 def packed_attention(query: Tensor, key: Tensor, value: Tensor, packed_seq_params: Any, scale: float | None,
                      gqa: bool) -> Tensor:
     """Causal attention of a packed micro-batch: query [t, heads, d] -> [t, heads, d]."""
-    varlen = varlen_usable(query)
-    _say_path(varlen, query)
-    if varlen:
+    if varlen_usable(query):
         return varlen_attention(query, key, value, packed_seq_params.cu_seqlens_q,
                                 int(packed_seq_params.max_seqlen_q), scale)
     return grouped_attention(query, key, value, cached_length_groups(packed_seq_params), scale, gqa)
 
 
-
-_said: set[tuple[bool, str, torch.dtype]] = set()
-
-
-def _say_path(varlen: bool, query: Tensor) -> None:
-    """Logged once per process and path: which kernel a run's packed attention took."""
-    key = (varlen, query.device.type, query.dtype)
-    if key not in _said:
-        _said.add(key)
-        log.info("packed attention: %s (%s, %s, torch %s)", "flash varlen" if varlen else "SDPA grouped by length",
-                 query.device.type, str(query.dtype).removeprefix("torch."), torch.__version__)

@@ -44,7 +44,7 @@ from milepost.core.config import AlgoConfig, LoraConfig, TrainConfig
 from milepost.core.quant.fp8_linear import Fp8Recipe
 from milepost.core.tcp_store import bound_store
 from milepost.core.train.batch import padding_sample
-from milepost.core.train.megatron import cpu_compat, fusions, moe_tp
+from milepost.core.train.megatron import cpu_compat, fusions, moe_tp, packed_attention
 from milepost.core.train.megatron.converter import iter_hf_tensors, load_hf_into
 from milepost.core.train.megatron.model import (
     ModelSpec,
@@ -181,7 +181,8 @@ class MegatronRankWorker(SenderRank):
             for c in self.ref:
                 c.requires_grad_(False).eval()
         return {"tp_rank": self.tp_rank, "pp_rank": self.pp_rank, "dp_rank": self.dp_rank,
-                "reporter": int(self._reports()), "device": str(self.device)}
+                "reporter": int(self._reports()), "device": str(self.device),
+                "packed_attention": packed_attention.kernel_for(self.device, self.dtype)}
 
     def _attach_replay(self, chunks: list[Any]) -> RankReplay | None:
         """MoE: a tap on the routers (megatron/routing.py), forcing the engine's experts when
