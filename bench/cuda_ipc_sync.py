@@ -263,10 +263,15 @@ def main() -> None:
     lines.append(f"tensor_sync_vs_copy: {ratio('milepost-copied'):.3f} (milepost's CUDA format, weights copied "
                  f"into bucket buffers; packed weights: {ratio('milepost-packed'):.3f}; SGLang's format: "
                  f"{ratio('sglang-reopen'):.3f})")
+    emit(lines, args.out)
+
+
+def emit(lines: list[str], out: Path) -> None:
+    """Print a bench's lines and write them to `out` (a results file)."""
     text = "\n".join(lines) + "\n"
     print(text, end="")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cuda_ipc_sync import emit
+
 from milepost.core.train.megatron.packed_attention import (
     grouped_attention,
     length_groups,
@@ -77,10 +80,7 @@ def main() -> None:
         seconds = timed(fn, args.device, args.repeats)
         base = base or seconds
         lines.append(f"{label:24s} {seconds * 1e3:9.3f} ms   {base / seconds:6.1f}x the per-sequence loop")
-    text = "\n".join(lines) + "\n"
-    print(text, end="")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":
