@@ -105,8 +105,8 @@ def _wait_listening(proc: subprocess.Popen, ip: str, port: int, log_path: Path) 
 def start_lease_watch(campaign_url: str, head: dict[str, Any], temp_dir: str, grace_s: float,
                       log_path: Path, armed: bool = False) -> int:
     """The head's dead driver's switch (tasks/lease_watch.py), in a session of its own like
-    the head (`armed`: see its --armed); returns its pid. Its command line holds `temp_dir`, so whatever stops the
-    head's processes (teardown: stop_processes) stops it too."""
+    the head (`armed`: its --armed); returns its pid. Its command line holds `temp_dir`, so
+    whatever stops the head's processes (teardown: stop_processes) stops it too."""
     pid, created = head["pids"][0], head["pids_created_at"][0]
     with open(log_path, "ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "milepost.tasks.lease_watch", "--campaign", campaign_url,

@@ -73,8 +73,9 @@ def _launch_slurm(ctx: StageContext) -> dict[str, Any]:
     """Submit the allocation; if its head found a port of the campaign's slot taken (exit
     PORTS_TAKEN_EXIT), submit again on the next slot, up to PORT_SLOT_TRIES slots. Any
     other failure before every node joined is raised at once with the allocation's log."""
+    armed = _run_holds_lease(ctx)  # read once: every slot's allocation belongs to the same run
     for attempt in range(PORT_SLOT_TRIES):
-        job_id, address_file = _submit_allocation(ctx, attempt)
+        job_id, address_file = _submit_allocation(ctx, attempt, armed)
         try:
             address = _wait_for_address(job_id, address_file, Path(ctx.block_path("logs")))
             break
@@ -91,7 +92,7 @@ def _launch_slurm(ctx: StageContext) -> dict[str, Any]:
             "node_ips": _node_ips(ctx), "submitted_at": record.outputs["submitted_at"]}
 
 
-def _submit_allocation(ctx: StageContext, attempt: int) -> tuple[str, Path]:
+def _submit_allocation(ctx: StageContext, attempt: int, watch_armed: bool) -> tuple[str, Path]:
     from milepost.slurm.sbatch import RayAllocationSpec, RayPorts, render_ray_allocation
 
     cluster = ctx.recipe.cluster
@@ -105,7 +106,7 @@ def _submit_allocation(ctx: StageContext, attempt: int) -> tuple[str, Path]:
         ports=RayPorts.for_campaign(slot_id), log_dir=str(log_dir), address_file=str(address_file),
         python=sys.executable, ray_temp_root="/tmp", join_timeout_s=LAUNCH_TIMEOUT_S,
         env=ray_auth_env(ctx.store),  # a token path on the shared store, never the token
-        campaign_url=ctx.url, orphan_grace_s=cluster.orphan_grace(), watch_armed=_run_holds_lease(ctx))
+        campaign_url=ctx.url, orphan_grace_s=cluster.orphan_grace(), watch_armed=watch_armed)
     script = Path(ctx.block_path("ray.sbatch"))
     script.write_text(render_ray_allocation(spec))
     job_id = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True,

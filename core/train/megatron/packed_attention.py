@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 _GROUPS_ATTR = "_milepost_length_groups"
+VARLEN, GROUPED = "flash varlen", "SDPA grouped by length"  # the two paths, as a rank reports them
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class LengthGroups:
 
 def length_groups(cu_seqlens: Tensor) -> LengthGroups:
     """The grouping for sequences delimited by `cu_seqlens` (int [n + 1]), on its device."""
-    cu = [int(x) for x in cu_seqlens.tolist()]
+    cu: list[int] = cu_seqlens.tolist()
     by_length: dict[int, list[int]] = {}
     for start, end in itertools.pairwise(cu):
         if end > start:
@@ -106,9 +107,6 @@ def varlen_usable(query: Tensor) -> bool:
     return kernel_for(query.device, query.dtype) == VARLEN
 
 
-VARLEN, GROUPED = "flash varlen", "SDPA grouped by length"
-
-
 def kernel_for(device: torch.device, dtype: torch.dtype) -> str:
     """Which path packed attention takes for activations of `dtype` on `device` (the rank
     reports it at setup: its log line is in the run_steps stage log)."""
@@ -137,5 +135,3 @@ def packed_attention(query: Tensor, key: Tensor, value: Tensor, packed_seq_param
         return varlen_attention(query, key, value, packed_seq_params.cu_seqlens_q,
                                 int(packed_seq_params.max_seqlen_q), scale)
     return grouped_attention(query, key, value, cached_length_groups(packed_seq_params), scale, gqa)
-
-
