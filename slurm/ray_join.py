@@ -57,11 +57,23 @@ def _connect(address: str, deadline: float, interval_s: float) -> None:
             return
         except (ConnectionError, RuntimeError) as e:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"could not connect to the Ray head {address}: {e}") from e
-            print(f"ray_join: the head {address} is not ready yet ({type(e).__name__}); retrying", file=sys.stderr)
+                raise TimeoutError(f"could not connect to the Ray head {address}: {_with_causes(e)}") from e
+            print(f"ray_join: the head {address} is not ready yet ({_with_causes(e)}); retrying", file=sys.stderr)
             if ray.is_initialized():
                 ray.shutdown()
             time.sleep(interval_s)
+
+
+def _with_causes(error: BaseException) -> str:
+    """`error` and what caused it: Ray's "Failed to connect to Ray cluster at …" hides its
+    reason (GCS unreachable, no raylet registered, refused token) in `__cause__`."""
+    parts, seen = [], set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        parts.append(f"{type(current).__name__}: {str(current).splitlines()[0] if str(current) else ''}")
+        current = current.__cause__ or current.__context__
+    return " <- ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:

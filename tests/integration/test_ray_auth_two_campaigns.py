@@ -17,7 +17,7 @@ import pytest
 
 from milepost.core.store import CampaignStore
 from milepost.slurm.ray_join import wait_for_nodes
-from milepost.tasks.local_ray import free_ray_ports, start_local_head, stop_processes
+from milepost.tasks.local_ray import START_TIMEOUT_S, free_ray_ports, owned_process, start_local_head, stop_processes
 from milepost.tasks.ray_auth import campaign_ray_auth, ray_auth_env
 
 
@@ -47,8 +47,21 @@ def test_each_campaign_presents_its_own_token(tmp_path, no_user_ray_auth):
         for _ in range(2):  # and again, in the other order of tokens
             for store, head in zip(stores, heads):
                 with campaign_ray_auth(store):
-                    assert wait_for_nodes(head["address"], 1, 60) == 1
+                    try:
+                        assert wait_for_nodes(head["address"], 1, START_TIMEOUT_S) == 1
+                    except TimeoutError as e:
+                        pytest.fail(f"{e}\n{_head_state(head, tmp_path)}")
         assert "RAY_AUTH_TOKEN_PATH" not in os.environ
     finally:
         for head in started:
             stop_processes(head["pids"], head["temp_dir"], [], since=since)
+
+
+def _head_state(head: dict, tmp: Path) -> str:
+    """Whether the head still runs, and its log's end: what tells a refused token from a
+    head that died (CI once saw only Ray's bare "Failed to connect")."""
+    alive = [owned_process(pid, at) is not None for pid, at in zip(head["pids"], head["pids_created_at"])]
+    port = head["address"].rsplit(":", 1)[1]
+    log = tmp / f"{port}.log"
+    tail = log.read_text()[-2000:] if log.exists() else "(no log)"
+    return f"head processes alive: {alive}; its log ends:\n{tail}"
