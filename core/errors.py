@@ -37,3 +37,10 @@ def root_error_line(error: BaseException) -> str:
     root = user_error_in(error) or _causes(error)[-1]
     text = " ".join(str(root).split()) or "(no message)"
     return f"{type(root).__name__}: {text}"
+
+
+def cause_chain_line(error: BaseException) -> str:
+    """`error` and each cause behind it, outermost first, on one line (`A: … <- B: …`), each
+    message cut to its first line: for wrappers such as Ray's "Failed to connect to Ray
+    cluster at …", whose reason is only in the cause."""
+    return " <- ".join(f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}" for e in _causes(error))

@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from milepost.core.errors import cause_chain_line
+
 
 def publish(path: Path, address: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -57,23 +59,11 @@ def _connect(address: str, deadline: float, interval_s: float) -> None:
             return
         except (ConnectionError, RuntimeError) as e:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"could not connect to the Ray head {address}: {_with_causes(e)}") from e
-            print(f"ray_join: the head {address} is not ready yet ({_with_causes(e)}); retrying", file=sys.stderr)
+                raise TimeoutError(f"could not connect to the Ray head {address}: {cause_chain_line(e)}") from e
+            print(f"ray_join: the head {address} is not ready yet ({cause_chain_line(e)}); retrying", file=sys.stderr)
             if ray.is_initialized():
                 ray.shutdown()
             time.sleep(interval_s)
-
-
-def _with_causes(error: BaseException) -> str:
-    """`error` and what caused it: Ray's "Failed to connect to Ray cluster at …" hides its
-    reason (GCS unreachable, no raylet registered, refused token) in `__cause__`."""
-    parts, seen = [], set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        parts.append(f"{type(current).__name__}: {str(current).splitlines()[0] if str(current) else ''}")
-        current = current.__cause__ or current.__context__
-    return " <- ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,8 +31,10 @@ def _head(store: CampaignStore, tmp: Path, started: list[dict]) -> dict:
     ports = free_ray_ports(store.local_path())
     mine: dict = {"temp_dir": tempfile.mkdtemp(prefix="mp-ray-auth-", dir="/tmp"), "pids": []}  # short socket paths
     started.append(mine)  # before the start: a head whose start fails is stopped too
-    return start_local_head(ports, mine["temp_dir"], tmp / f"{ports.gcs}.log", ray_auth_env(store),
+    log = tmp / f"{ports.gcs}.log"
+    head = start_local_head(ports, mine["temp_dir"], log, ray_auth_env(store),
                             lambda pid, at: mine["pids"].append((pid, at)))
+    return {**head, "log": log}
 
 
 def test_each_campaign_presents_its_own_token(tmp_path, no_user_ray_auth):
@@ -50,18 +52,16 @@ def test_each_campaign_presents_its_own_token(tmp_path, no_user_ray_auth):
                     try:
                         assert wait_for_nodes(head["address"], 1, START_TIMEOUT_S) == 1
                     except TimeoutError as e:
-                        pytest.fail(f"{e}\n{_head_state(head, tmp_path)}")
+                        pytest.fail(f"{e}\n{_head_state(head)}")
         assert "RAY_AUTH_TOKEN_PATH" not in os.environ
     finally:
         for head in started:
             stop_processes(head["pids"], head["temp_dir"], [], since=since)
 
 
-def _head_state(head: dict, tmp: Path) -> str:
+def _head_state(head: dict) -> str:
     """Whether the head still runs, and its log's end: what tells a refused token from a
     head that died (CI once saw only Ray's bare "Failed to connect")."""
     alive = [owned_process(pid, at) is not None for pid, at in zip(head["pids"], head["pids_created_at"])]
-    port = head["address"].rsplit(":", 1)[1]
-    log = tmp / f"{port}.log"
-    tail = log.read_text()[-2000:] if log.exists() else "(no log)"
+    tail = head["log"].read_text()[-2000:] if head["log"].exists() else "(no log)"
     return f"head processes alive: {alive}; its log ends:\n{tail}"

@@ -16,10 +16,12 @@ from pathlib import Path
 import psutil
 import pytest
 
+from milepost.core.store import CampaignStore
 from milepost.slurm.options import SlurmOptions
 from milepost.slurm.sbatch import RayAllocationSpec, RayPorts, render_ray_allocation
 from milepost.slurm.state import Outcome, SlurmStatePoller
 from milepost.tasks.local_ray import free_ray_ports
+from milepost.tasks.ray_auth import ray_auth_env
 
 GUARD_S = 180  # a guard against hanging forever, not a timing assertion
 
@@ -30,6 +32,13 @@ def free_slot() -> RayPorts:
     TIME_WAIT socket on one of its ports) makes the allocation exit 75, which the launcher
     answers with the next slot and a test that submits its own script would fail on."""
     return free_ray_ports(f"test-{uuid.uuid4()}")
+
+
+def campaign_token_env(campaign: Path) -> dict[str, str]:
+    """What the launcher exports to an allocation (tasks/ray_cluster.py): the campaign's own
+    Ray token, by path. Without it the nodes look for ~/.ray/auth_token, which exists only if
+    something earlier in the session happened to create it."""
+    return ray_auth_env(CampaignStore(str(campaign)))
 
 
 def processes_of(job_id: str) -> dict[int, str]:
@@ -74,7 +83,7 @@ def test_ray_allocation_spans_both_nodes_and_cancel_stops_only_its_ray(dev_clust
         job_name="mp-ray-test", options=SlurmOptions(nodes=2, time_min=10, mem_gb=1),
         ports=free_slot(), log_dir=str(tmp_path),
         address_file=str(tmp_path / "it's the ray address"), python=sys.executable, join_timeout_s=120,
-        ray_temp_root=ray_temp_root)
+        ray_temp_root=ray_temp_root, env=campaign_token_env(tmp_path / "campaign"))
     script = tmp_path / "ray.sbatch"
     script.write_text(render_ray_allocation(spec))
     # A bystander that looks like Ray: the allocation must never stop processes by name.
@@ -130,7 +139,8 @@ def test_an_allocation_whose_driver_was_killed_stops_itself_after_the_grace(dev_
         job_name="mp-ray-orphan", options=SlurmOptions(nodes=2, time_min=10, mem_gb=1),
         ports=free_slot(), log_dir=str(tmp_path),
         address_file=str(tmp_path / "ray-address"), python=sys.executable, join_timeout_s=120,
-        ray_temp_root=ray_temp_root, campaign_url=str(campaign), orphan_grace_s=grace_s)
+        ray_temp_root=ray_temp_root, campaign_url=str(campaign), orphan_grace_s=grace_s,
+        env=campaign_token_env(campaign))
     script = tmp_path / "ray.sbatch"
     script.write_text(render_ray_allocation(spec))
     job_id = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True,
