@@ -284,6 +284,11 @@ def profile_step(step: Callable[[], None], path: Path, title: str) -> list[str]:
     top = sorted(kernels, key=dev, reverse=True)[:30]
     table = [f"{dev(e) / 1e3:10.1f} ms {e.count:6d}x  {e.key[:150]}" for e in top]
     table += [f"gap {g / 1e3:7.2f} ms after {a[:70]}  before {b[:70]}" for g, a, b in sorted(gaps, reverse=True)[:12]]
+    # the host's side: where the Python thread spends a step (a host-bound step's gaps come from here)
+    host = sorted((e for e in prof.key_averages() if not _is_kernel(e) and e.self_cpu_time_total > 0),
+                  key=lambda e: e.self_cpu_time_total, reverse=True)
+    table += [f"host {sum(e.self_cpu_time_total for e in host) / 1e6:.3f}s of op self time; top:"]
+    table += [f"host {e.self_cpu_time_total / 1e3:9.1f} ms {e.count:6d}x  {e.key[:120]}" for e in host[:25]]
     with path.open("a") as f:
         f.write("\n".join(lines + table) + "\n\n")
     return lines

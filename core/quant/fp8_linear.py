@@ -32,8 +32,10 @@ megatron's optimizer on GPU; fp32 parameters on CPU); gradients come back in its
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -133,6 +135,47 @@ def cast(x: Tensor, dtype: torch.dtype, dim: int | None, recipe: Fp8Recipe,
     return quantize_t(x, dtype, dim, layout)
 
 
+# Weight casts reused across micro-batches: {key: (weight, its _version, the cast)} while
+# `weight_casts_reused()` is open, else None.
+_WEIGHT_CASTS: dict[tuple[Any, ...], tuple[Tensor, int, tuple[Tensor, ...]]] | None = None
+
+
+@contextlib.contextmanager
+def weight_casts_reused() -> Iterator[None]:
+    """Inside, each weight Parameter is cast once per (dtype, scale dim, layout) and the cast is
+    reused by every later micro-batch; on leaving, the casts are dropped. Why: the weights do not
+    change between the micro-batches of one forward-backward schedule, and at the Qwen3-1.7B
+    shape re-casting them each micro-batch was a quarter of the fp8 step's casts (and of its
+    compiled calls, which bound that step's host time). Rule: nothing may change a weight inside
+    (the optimizer steps after the schedule: the megatron worker opens this around the schedule
+    alone). An in-place change through the Parameter itself bumps its `_version` and is re-cast;
+    one through `.data` is not seen, hence the rule. Nested opens share the outer cache."""
+    global _WEIGHT_CASTS
+    outer = _WEIGHT_CASTS
+    if outer is None:
+        _WEIGHT_CASTS = {}
+    try:
+        yield
+    finally:
+        _WEIGHT_CASTS = outer
+
+
+def cast_weight(w: Tensor, dtype: torch.dtype, dim: int | None, recipe: Fp8Recipe,
+                layout: Layout = "row") -> tuple[Tensor, ...]:
+    """`cast` of a weight, reused inside `weight_casts_reused()`. Only Parameters are reused: a
+    temporary's storage could be freed and its address given to another tensor."""
+    cache = _WEIGHT_CASTS
+    if cache is None or not isinstance(w, torch.nn.Parameter):
+        return cast(w, dtype, dim, recipe, layout)
+    key = (w.data_ptr(), tuple(w.shape), w.dtype, dtype, dim, layout, recipe.compile_casts)
+    hit = cache.get(key)
+    if hit is not None and hit[0] is w and hit[1] == w._version:
+        return hit[2]
+    casts = cast(w, dtype, dim, recipe, layout)
+    cache[key] = (w, w._version, casts)
+    return casts
+
+
 def _pad_rows(x: Tensor) -> Tensor:
     """x: [M, C] -> [ceil(M / 16) * 16, C], zero rows appended."""
     extra = -x.shape[0] % ALIGN
@@ -158,12 +201,13 @@ def _mm(a: Tensor, sa: Tensor, b_t: Tensor, sb_t: Tensor, fast_accum: bool = Fal
 
 
 def _cast_per_tensor(t: Tensor, dtype: torch.dtype, recipe: Fp8Recipe,
-                     transposed_too: bool) -> tuple[Tensor, Tensor | None, Tensor]:
-    """One per-tensor cast of t: [R, C] -> (q [R, C], q^T [C, R] or None, scale_inv [])."""
+                     transposed_too: bool, caster: Any = cast) -> tuple[Tensor, Tensor | None, Tensor]:
+    """One per-tensor cast of t: [R, C] -> (q [R, C], q^T [C, R] or None, scale_inv []), by
+    `caster` (`cast`, or `cast_weight` for a weight)."""
     if transposed_too:
-        q, q_t, s = cast(t, dtype, None, recipe, "both")
+        q, q_t, s = caster(t, dtype, None, recipe, "both")
         return q, q_t, s
-    q, s = cast(t, dtype, None, recipe)
+    q, s = caster(t, dtype, None, recipe)
     return q, None, s
 
 
@@ -175,10 +219,10 @@ def forward_gemm(x: Tensor, w: Tensor, recipe: Fp8Recipe, need_dgrad: bool = Tru
     scale), each made by the same cast as the forward operand; one no gradient needs is None."""
     if recipe.scaling == "rowwise":
         xq, xs = cast(x, E4M3, 1, recipe)
-        wq, ws = cast(w, E4M3, 1, recipe)
+        wq, ws = cast_weight(w, E4M3, 1, recipe)
         return _mm(xq, xs, wq, ws, recipe.fast_accum), (x, w)
     xq, xq_t, xs = _cast_per_tensor(x, E4M3, recipe, need_wgrad)
-    wq, wq_t, ws = _cast_per_tensor(w, E4M3, recipe, need_dgrad)
+    wq, wq_t, ws = _cast_per_tensor(w, E4M3, recipe, need_dgrad, cast_weight)
     return _mm(xq, xs, wq, ws, recipe.fast_accum), (xq_t, xs, wq_t, ws)
 
 
@@ -208,7 +252,7 @@ def dgrad_gemm(gc: tuple[Tensor | None, ...], saved: tuple[Tensor | None, ...], 
     if recipe.scaling == "rowwise":
         g, w = _made(gc[0], saved[1])
         gq, gs = cast(g, recipe.grad_dtype, 1, recipe)  # per token
-        wq_t, ws_t = cast(w, E4M3, 0, recipe, "col")  # per input feature: g @ w's columns
+        wq_t, ws_t = cast_weight(w, E4M3, 0, recipe, "col")  # per input feature: g @ w's columns
         return _mm(gq, gs, wq_t, ws_t)
     gq, gs, wq_t, ws = _made(gc[0], gc[2], saved[2], saved[3])
     return _mm(gq, gs, wq_t, ws)

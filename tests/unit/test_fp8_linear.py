@@ -24,6 +24,7 @@ from milepost.core.quant.fp8_linear import (
     grad_cast,
     quantize,
     quantize_t,
+    weight_casts_reused,
 )
 
 REL = {E4M3: 2.0**-4, E5M2: 2.0**-3}
@@ -234,6 +235,66 @@ def test_tensorwise_casts_each_operand_once_in_only_the_layouts_its_gradients_re
     y = fp8_linear(xg, w, None, tensorwise)
     y.backward(grad)
     assert xg.grad is not None and xg.grad.shape == x.shape
+
+
+def _count_casts(monkeypatch: pytest.MonkeyPatch) -> list[torch.Size]:
+    import milepost.core.quant.fp8_linear as fp8
+    shapes: list[torch.Size] = []
+    real = fp8.cast
+
+    def counting(t: torch.Tensor, *args, **kwargs):
+        shapes.append(t.shape)
+        return real(t, *args, **kwargs)
+    monkeypatch.setattr(fp8, "cast", counting)
+    return shapes
+
+
+@pytest.mark.parametrize("recipe", [Fp8Recipe(), Fp8Recipe("tensorwise")], ids=["rowwise", "tensorwise"])
+def test_inside_one_schedule_each_weight_is_cast_once_and_every_micro_batch_gets_the_same_result(
+        recipe, monkeypatch) -> None:
+    x, w0, b, grad = _inputs(m=32)
+    micro_batches = [(x * (i + 1), grad * (i + 1)) for i in range(3)]
+
+    def run(reuse: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+        w = torch.nn.Parameter(w0.clone())
+        outs = []
+        with weight_casts_reused() if reuse else torch.enable_grad():
+            for xm, gm in micro_batches:
+                xm = xm.clone().requires_grad_()
+                y = fp8_linear(xm, w, b, recipe)
+                y.backward(gm)
+                outs += [y.detach(), xm.grad]
+        return outs, w.grad
+
+    fresh, fresh_wgrad = run(reuse=False)
+    shapes = _count_casts(monkeypatch)
+    reused, reused_wgrad = run(reuse=True)
+    assert all(torch.equal(a, b) for a, b in zip(fresh, reused, strict=True)) and torch.equal(fresh_wgrad, reused_wgrad)
+    weight_casts = [s for s in shapes if s == w0.shape]
+    # rowwise casts a weight twice per micro-batch (per row forward, per column for dgrad), tensorwise once
+    assert len(weight_casts) == (2 if recipe.scaling == "rowwise" else 1)
+
+
+def test_a_weight_changed_in_place_or_after_the_schedule_is_cast_again(monkeypatch) -> None:
+    x, w0, _, _ = _inputs(m=32)
+    w, recipe = torch.nn.Parameter(w0.clone()), Fp8Recipe("tensorwise")
+    shapes = _count_casts(monkeypatch)
+    with torch.no_grad():
+        with weight_casts_reused():
+            y0 = fp8_linear(x, w, None, recipe)
+            w.mul_(2.0)  # through the Parameter: its _version moves
+            y1 = fp8_linear(x, w, None, recipe)
+        w.data.mul_(0.5)  # the optimizer's way, between schedules
+        with weight_casts_reused():
+            y2 = fp8_linear(x, w, None, recipe)
+    assert len([s for s in shapes if s == w0.shape]) == 3
+    assert not torch.equal(y0, y1) and torch.equal(y0, y2)
+    # a plain tensor (not a Parameter) is never reused: its storage may be another tensor's next time
+    shapes.clear()
+    with weight_casts_reused(), torch.no_grad():
+        fp8_linear(x, w0, None, recipe)
+        fp8_linear(x, w0, None, recipe)
+    assert len([s for s in shapes if s == w0.shape]) == 2
 
 
 def test_the_megatron_build_log_counts_each_bf16_fallback_reason_once() -> None:

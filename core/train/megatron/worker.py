@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from milepost.core.algo.routing_replay import RankReplay
 from milepost.core.config import AlgoConfig, LoraConfig, TrainConfig
-from milepost.core.quant.fp8_linear import Fp8Recipe
+from milepost.core.quant.fp8_linear import Fp8Recipe, weight_casts_reused
 from milepost.core.tcp_store import bound_store
 from milepost.core.train.batch import padding_sample
 from milepost.core.train.megatron import cpu_compat, fusions, moe_tp, packed_attention
@@ -320,11 +320,12 @@ class MegatronRankWorker(SenderRank):
         from megatron.core.pipeline_parallel import get_forward_backward_func
         vp = self.cfg.megatron.virtual_pipeline
         data: Any = [iter(micro_batches) for _ in self.model] if vp else iter(micro_batches)
-        return get_forward_backward_func()(
-            forward_step_func=partial(self._forward_step, normalizer), data_iterator=data,
-            model=self.model if vp else self.model[0], num_microbatches=len(micro_batches),
-            seq_length=max(mb.input_ids.shape[1] for mb in micro_batches), micro_batch_size=1,
-            forward_only=forward_only)
+        with weight_casts_reused():  # fp8 linears cast each weight once per schedule (no optimizer step inside)
+            return get_forward_backward_func()(
+                forward_step_func=partial(self._forward_step, normalizer), data_iterator=data,
+                model=self.model if vp else self.model[0], num_microbatches=len(micro_batches),
+                seq_length=max(mb.input_ids.shape[1] for mb in micro_batches), micro_batch_size=1,
+                forward_only=forward_only)
 
     @compat
     def train(self, samples: list[Sample], normalizer: float) -> dict[str, Any]:
