@@ -30,9 +30,12 @@ elif [ "$call" = figures ]; then
   # each mode in its own process (bench/fp8_training.py): mb=4 fits an 80 GB H100 (bf16 peak 49 GiB);
   # bf16 and two fp8 recipes side by side in this one call (the issue's ratio): ~120 s a mode. int4_qat
   # (fp32 parameters) ran out of memory at mb=4 on an 80 GB H100 (2026-12-06), so it is not in this call
-  step fp8_training $(( $(left) - 10 )) env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 \
+  step fp8_training $(( $(left) - ${AFTER_FP8_S:-10} )) env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 \
       bench/fp8_training.py --variant fuse=1,mb=4 --fp8-recipes ${FP8_RECIPES:-tensorwise-fast,tensorwise-fast-gw-bf16} \
       --profile "$OUT/fp8_profile.txt" --out "$OUT/fp8_training.txt"
+  # what time is left: the CUDA-IPC push at the 1.7 B shape (issue 18), which no call has measured since the bucket copy
+  [ -n "${AFTER_FP8_S:-}" ] && step cuda_ipc_sync_3gb 80 python3 bench/cuda_ipc_sync.py --params-gb 3.4 --bucket-mb 1024 \
+      --pushes 6 --out "$OUT/cuda_ipc_sync_3gb.txt"
 elif [ "$call" = sync ]; then
   step rollout_precision 90 python3 bench/rollout_precision.py
   cp bench/results/rollout_precision_gpu.* "$OUT/" 2>/dev/null
