@@ -3,7 +3,7 @@
 # and writes under $OUT, so a step that fails or runs long leaves the others' results.
 # CALL_LIMIT_S (default 575) bounds a call.
 #   source bench/device_calls.sh arith     gpu-arith end to end (build, 2 blocks, a kill and resume)
-#   source bench/device_calls.sh figures   training: bf16, two fp8 recipes and int4_qat side by side
+#   source bench/device_calls.sh figures   training: bf16 and fp8 side by side (env: FP8_RECIPES, FP8_LR_ALSO, FP8_GPU_TESTS, IPC_3GB)
 #   source bench/device_calls.sh sync      rollout precision, GPU weight sync, the CUDA-IPC push mechanism (on a two-GPU kind, e.g.
 #                                          nvidia-h100-x2, also NCCL to an engine on the second GPU)
 #   source bench/device_calls.sh tests     the GPU tests, warm-start speed
@@ -28,13 +28,21 @@ if [ "$call" = arith ]; then
   tail -n 30 "$OUT/gpu_arith.log"
 elif [ "$call" = figures ]; then
   # each mode in its own process (bench/fp8_training.py): mb=4 fits an 80 GB H100 (bf16 peak 49 GiB);
-  # bf16 and two fp8 recipes side by side in this one call (the issue's ratio): ~120 s a mode. int4_qat
-  # (fp32 parameters) ran out of memory at mb=4 on an 80 GB H100 (2026-12-06), so it is not in this call
-  step fp8_training $(( $(left) - ${AFTER_FP8_S:-10} )) env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 \
-      bench/fp8_training.py --variant fuse=1,mb=4 --fp8-recipes ${FP8_RECIPES:-tensorwise-fast,tensorwise-fast-gw-bf16} \
-      --profile "$OUT/fp8_profile.txt" --out "$OUT/fp8_training.txt"
-  # what time is left: the CUDA-IPC push at the 1.7 B shape (issue 18), which no call has measured since the bucket copy
-  [ -n "${AFTER_FP8_S:-}" ] && step cuda_ipc_sync_3gb 80 python3 bench/cuda_ipc_sync.py --params-gb 3.4 --bucket-mb 1024 \
+  # bf16 and fp8 side by side in one run (the issue's ratio): ~90 s a mode. int4_qat (fp32
+  # parameters) ran out of memory at mb=4 on an 80 GB H100 (2026-12-06), so it is not in this call.
+  # FP8_LR_ALSO: the same pair again at that lr (is the NLL gap fp8's rounding of small updates?);
+  # FP8_GPU_TESTS: then the fp8 and packed-attention GPU tests.
+  fp8() {  # fp8 NAME LIMIT ARGS...: one run of the bench, bf16 and FP8_RECIPES side by side
+    local name=$1 limit=$2; shift 2
+    step "$name" "$limit" env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 bench/fp8_training.py \
+        --variant fuse=1,mb=4 --fp8-recipes "${FP8_RECIPES:-tensorwise-fast}" --out "$OUT/$name.txt" "$@"
+  }
+  fp8 fp8_training $(( $(left) - ${AFTER_FP8_S:-10} )) --profile "$OUT/fp8_profile.txt"
+  [ -n "${FP8_LR_ALSO:-}" ] && fp8 fp8_training_lr "$(( $(left) - ${AFTER_LR_S:-10} ))" --lr "$FP8_LR_ALSO"
+  [ -n "${FP8_GPU_TESTS:-}" ] && step gpu_tests 150 python3 -m pytest -q -m gpu tests/gpu/test_fp8_linear_gpu.py \
+      tests/gpu/test_packed_attention_gpu.py -s
+  # the CUDA-IPC push at the 1.7 B shape (issue 18)
+  [ -n "${IPC_3GB:-}" ] && step cuda_ipc_sync_3gb 80 python3 bench/cuda_ipc_sync.py --params-gb 3.4 --bucket-mb 1024 \
       --pushes 6 --out "$OUT/cuda_ipc_sync_3gb.txt"
 elif [ "$call" = sync ]; then
   step rollout_precision 90 python3 bench/rollout_precision.py
