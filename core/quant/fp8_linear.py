@@ -59,12 +59,15 @@ class Fp8Recipe:
     reduction, then scale + cast). Same arithmetic (a unit test checks bit equality on CPU); on
     CPU the casts stay eager (compile time would dominate the tests). `fast_accum`: the forward
     GEMM's `use_fast_accum` (CUDA: faster, less exact accumulation; torchao uses it in forward
-    only), never in the gradient GEMMs."""
+    only), never in the gradient GEMMs. `eager_amax`: a compiled per-tensor cast takes its amax
+    from one eager aten reduction (`tensor_amax`) instead of computing it in the compiled graph
+    (same value; kept switchable so the bench measures both side by side)."""
 
     scaling: Literal["rowwise", "tensorwise"] = "rowwise"
     wgrad_fp8: bool = True
     compile_casts: bool = True
     fast_accum: bool = False
+    eager_amax: bool = True
 
     @property
     def grad_dtype(self) -> torch.dtype:
@@ -122,22 +125,32 @@ def quantize_t(x: Tensor, dtype: torch.dtype, dim: int | None, layout: Layout = 
     return q, q.t().contiguous(), s
 
 
+def _eager_division_option() -> dict[str, bool]:
+    """inductor's option for IEEE division, where this torch has it (2.13 does; older may not)."""
+    import torch._inductor.config as inductor_config
+    return ({"eager_numerics.division_rounding": True}
+            if hasattr(getattr(inductor_config, "eager_numerics", None), "division_rounding") else {})
+
+
 @functools.cache
-def _compiled_quantize(dtype: torch.dtype, dim: int | None, layout: Layout = "row") -> Any:
+def _compiled_quantize(dtype: torch.dtype, dim: int | None, layout: Layout = "row", eager_amax: bool = True) -> Any:
     """`quantize_t(·, dtype, dim, layout)` compiled, each combination with a code object of its
     own. Why: dynamo keeps its compiled graphs, and its limit of 8 (`recompile_limit`), per code
     object, and closures of one function share theirs: the combinations a run casts with (x, w
     and g, with and without backward, rowwise dims) and the grad modes they are called under
     went past 8, after which dynamo ran the rest EAGER, silently but for one warning.
-    Per tensor (dim None), the amax is `tensor_amax`, eager, and the compiled part is the scale,
-    the cast and the transposed copy."""
+    Per tensor (dim None) with `eager_amax`, the amax is `tensor_amax`, eager, and the compiled
+    part is the scale, the cast and the transposed copy. Division as eager rounds it (IEEE
+    round-to-nearest, inductor's `eager_numerics.division_rounding` where this torch has it):
+    Triton's default `/` is approximate, and on the H100 1 in ~3,000 rowwise bytes came out one
+    fp8 code away from the eager cast."""
     def quantize_one(x: Tensor, amax: Tensor | None) -> tuple[Tensor, ...]:
         return quantize_t(x, dtype, dim, layout, amax)
     tag = f"{str(dtype).removeprefix('torch.')}_{dim}_{layout}"
     own = types.FunctionType(quantize_one.__code__.replace(co_name=f"quantize_{tag}"), quantize_one.__globals__,
                              f"quantize_{tag}", None, quantize_one.__closure__)
-    compiled = torch.compile(own, dynamic=True)
-    if dim is None:
+    compiled = torch.compile(own, dynamic=True, options=_eager_division_option())
+    if dim is None and eager_amax:
         return lambda x: compiled(x, tensor_amax(x))
     return lambda x: compiled(x, None)
 
@@ -146,7 +159,7 @@ def cast(x: Tensor, dtype: torch.dtype, dim: int | None, recipe: Fp8Recipe,
          layout: Layout = "row") -> tuple[Tensor, ...]:
     """`quantize_t`, compiled on CUDA when `recipe.compile_casts` (Fp8Recipe)."""
     if recipe.compile_casts and x.is_cuda:
-        return _compiled_quantize(dtype, dim, layout)(x)
+        return _compiled_quantize(dtype, dim, layout, recipe.eager_amax)(x)
     return quantize_t(x, dtype, dim, layout)
 
 
