@@ -37,10 +37,13 @@ elif [ "$call" = figures ]; then
     step "$name" "$limit" env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 bench/fp8_training.py \
         --variant fuse=1,mb=4 --fp8-recipes "${FP8_RECIPES:-tensorwise-fast}" --out "$OUT/$name.txt" "$@"
   }
-  fp8 fp8_training $(( $(left) - ${AFTER_FP8_S:-10} )) --profile "$OUT/fp8_profile.txt"
+  # FP8_ARGS: more bench arguments (e.g. --steps 30); FP8_NO_PROFILE: no profiled step (it costs ~20 s a mode)
+  profile=(--profile "$OUT/fp8_profile.txt"); [ -n "${FP8_NO_PROFILE:-}" ] && profile=()
+  # shellcheck disable=SC2086  # FP8_ARGS is split on purpose
+  fp8 fp8_training $(( $(left) - ${AFTER_FP8_S:-10} )) "${profile[@]}" ${FP8_ARGS:-}
   [ -n "${FP8_LR_ALSO:-}" ] && fp8 fp8_training_lr "$(( $(left) - ${AFTER_LR_S:-10} ))" --lr "$FP8_LR_ALSO"
-  [ -n "${FP8_GPU_TESTS:-}" ] && step gpu_tests 150 python3 -m pytest -q -m gpu tests/gpu/test_fp8_linear_gpu.py \
-      tests/gpu/test_packed_attention_gpu.py -s
+  [ -n "${FP8_GPU_TESTS:-}" ] && step gpu_tests 150 python3 -m pytest -q -m gpu ${FP8_GPU_TESTS/#1/tests/gpu/test_fp8_linear_gpu.py \
+      tests/gpu/test_packed_attention_gpu.py} -s
   # the CUDA-IPC push at the 1.7 B shape (issue 18)
   [ -n "${IPC_3GB:-}" ] && step cuda_ipc_sync_3gb 80 python3 bench/cuda_ipc_sync.py --params-gb 3.4 --bucket-mb 1024 \
       --pushes 6 --out "$OUT/cuda_ipc_sync_3gb.txt"
