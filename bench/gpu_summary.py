@@ -25,12 +25,22 @@ def _engine() -> dict:
     }
 
 
+def _tensor_sync_run(name: str) -> dict:
+    """The newest run in one of bench/cuda_ipc_sync.py's result files (newest section first)."""
+    text = (RESULTS / name).read_text()
+    line = re.search(r"tensor_sync_vs_copy: ([0-9.]+)(.*)", text)
+    date, device, command = re.match(r"# (.+ UTC), (.+?), torch [^:]+: (.+)", text.splitlines()[0]).groups()
+    return {"value": float(line.group(1)), "date": date, "device": device, "command": command,
+            "detail": line.group(2).strip(" ()")}
+
+
 def _tensor_sync() -> dict:
-    text = (RESULTS / "cuda_ipc_sync.txt").read_text()
-    header = text.splitlines()[0]
-    value = float(re.search(r"tensor_sync_vs_copy: ([0-9.]+)", text).group(1))
-    date, device, command = re.match(r"# (.+ UTC), (.+?), torch [^:]+: (.+)", header).groups()
-    return {"tensor_sync_vs_copy": {"value": value, "date": date, "device": device, "command": command}}
+    """The newest of the 0.99 GB and 3.4 GB runs; the other stays beside it as `other_size`."""
+    runs = sorted((_tensor_sync_run(name) for name in ("cuda_ipc_sync.txt", "cuda_ipc_sync_3gb.txt")),
+                  key=lambda run: run["date"])
+    latest, other = runs[-1], runs[0]
+    latest["other_size"] = {k: other[k] for k in ("value", "date", "device", "command")}
+    return {"tensor_sync_vs_copy": latest}
 
 
 GPU_ARITH_KEYS = ("gpu_arith_base_either_form", "gpu_arith_final_either_form", "gpu_arith_resumed_exactly_once")
