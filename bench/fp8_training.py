@@ -241,7 +241,9 @@ def main() -> None:
                 mfu.log(out, line)
         except Exception:  # noqa: BLE001  (recorded; the other modes still run)
             traceback.print_exc()
-            mfu.log(out, f"{name} failed: {traceback.format_exc().splitlines()[-1]}")
+            # the last non-empty line: a mode's process error ends with its own traceback's blank line
+            last = [line for line in traceback.format_exc().splitlines() if line.strip()][-1]
+            mfu.log(out, f"{name} failed: {last}")
     ratios = report(results, tokens, out)
     summary = {"device": device, "torch": torch.__version__, "args": vars(args), "tokens_per_step": tokens,
                "targets": {"throughput_vs_bf16": TARGET_SPEEDUP, "max_rel_nll_gap": TARGET_GAP},
