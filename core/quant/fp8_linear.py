@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -125,7 +125,7 @@ def quantize_t(x: Tensor, dtype: torch.dtype, dim: int | None, layout: Layout = 
     return q, q.t().contiguous(), s
 
 
-def _eager_division_option() -> dict[str, bool]:
+def _eager_division_option() -> dict[str, str | int | bool | Callable[..., Any]]:
     """inductor's option for IEEE division, where this torch has it (2.13 does; older may not)."""
     import torch._inductor.config as inductor_config
     return ({"eager_numerics.division_rounding": True}
