@@ -183,9 +183,11 @@ def test_a_frozen_weight_gets_no_gradient_and_the_input_still_does() -> None:
 def test_the_compiled_casts_the_gpu_uses_equal_the_eager_ones_bit_for_bit() -> None:
     # Fp8Recipe.compile_casts compiles `quantize` on CUDA; compiled here on CPU (inductor) to
     # check the arithmetic is unchanged, on a token count that is not a multiple of anything
+    # (per tensor, both ways of taking the amax: eager by default, in the compiled graph on request)
     x = torch.randn(77, 48, dtype=torch.bfloat16) * 5
-    for dtype, dim, layout in ((E4M3, 0, "col"), (E5M2, None, "row"), (E5M2, None, "both")):
-        *qs, s = _compiled_quantize(dtype, dim, layout)(x)
+    for dtype, dim, layout, eager_amax in ((E4M3, 0, "col", True), (E5M2, None, "row", True),
+                                           (E5M2, None, "both", True), (E4M3, None, "both", False)):
+        *qs, s = _compiled_quantize(dtype, dim, layout, eager_amax)(x)
         *qs0, s0 = quantize_t(x, dtype, dim, layout)
         assert len(qs) == len(qs0) and torch.equal(s, s0)
         assert all(torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) for q, q0 in zip(qs, qs0))
