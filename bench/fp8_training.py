@@ -59,6 +59,7 @@ RECIPES: dict[str, dict[str, Any]] = {"rowwise": dict(scaling="rowwise"), "tenso
            "tensorwise-fast": dict(scaling="tensorwise", fast_accum=True),
            "tensorwise-fast-gw-bf16": dict(scaling="tensorwise", fast_accum=True, wgrad_fp8=False),
            "tensorwise-fast-compiled-amax": dict(scaling="tensorwise", fast_accum=True, eager_amax=False),
+           "tensorwise-fast-delayed": dict(scaling="tensorwise", fast_accum=True, amax_history=16),
            "rowwise-eager-casts": dict(scaling="rowwise", compile_casts=False)}
 TARGET_SPEEDUP, TARGET_GAP = 1.15, 0.02
 

@@ -37,7 +37,7 @@ import functools
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -61,13 +61,22 @@ class Fp8Recipe:
     GEMM's `use_fast_accum` (CUDA: faster, less exact accumulation; torchao uses it in forward
     only), never in the gradient GEMMs. `eager_amax`: a compiled per-tensor cast takes its amax
     from one eager aten reduction (`tensor_amax`) instead of computing it in the compiled graph
-    (same value; kept switchable so the bench measures both side by side)."""
+    (same value; kept switchable so the bench measures both side by side). `amax_history`: 0,
+    current scaling (each cast scales by its own amax); N > 0, tensorwise only: delayed
+    scaling of activations and gradients from the last N amaxes of the same operand in the same
+    layer (core/quant/fp8_delayed.py; the caller passes the layer's `AmaxHistory`)."""
 
     scaling: Literal["rowwise", "tensorwise"] = "rowwise"
     wgrad_fp8: bool = True
     compile_casts: bool = True
     fast_accum: bool = False
     eager_amax: bool = True
+    amax_history: int = 0
+
+    def __post_init__(self) -> None:
+        if self.amax_history < 0 or (self.amax_history and self.scaling != "tensorwise"):
+            raise ValueError(f"Fp8Recipe amax_history {self.amax_history}: delayed scaling needs scaling "
+                             "'tensorwise' and a history of N >= 1 amaxes (0: current scaling)")
 
     @property
     def grad_dtype(self) -> torch.dtype:
@@ -77,7 +86,15 @@ class Fp8Recipe:
         grad = "e4m3" if self.grad_dtype == E4M3 else "e5m2"
         return (f"{self.scaling} scales, e4m3 activations/weights, {grad} gradients, "
                 f"wgrad in {'fp8' if self.wgrad_fp8 else 'bf16'}"
-                + (", casts eager" if not self.compile_casts else "") + (", fast accum" if self.fast_accum else ""))
+                + (", casts eager" if not self.compile_casts else "") + (", fast accum" if self.fast_accum else "")
+                + (f", delayed scaling (amax history {self.amax_history})" if self.amax_history else ""))
+
+
+class ScaleHistory(Protocol):
+    """A layer's scaling state for delayed scaling (core/quant/fp8_delayed.AmaxHistory): a cast
+    with `cast`'s signature for its input ("x") or its output gradient ("g")."""
+
+    def caster(self, role: Literal["x", "g"]) -> Callable[..., tuple[Tensor, ...]]: ...
 
 
 def fp8_shape_problem(out_features: int, in_features: int) -> str | None:
@@ -239,8 +256,8 @@ def _cast_per_tensor(t: Tensor, dtype: torch.dtype, recipe: Fp8Recipe,
     return q, None, s
 
 
-def forward_gemm(x: Tensor, w: Tensor, recipe: Fp8Recipe, need_dgrad: bool = True,
-                 need_wgrad: bool = True) -> tuple[Tensor, tuple[Tensor | None, ...]]:
+def forward_gemm(x: Tensor, w: Tensor, recipe: Fp8Recipe, need_dgrad: bool = True, need_wgrad: bool = True,
+                 history: ScaleHistory | None = None) -> tuple[Tensor, tuple[Tensor | None, ...]]:
     """x: [M, K] (M a multiple of 16), w: [N, K] -> (y bf16 [M, N], what backward needs).
     rowwise: (x, w), recast in backward along the other dim. tensorwise: the forward casts in
     the layouts backward reads, (x^T [K, M] for wgrad, its scale, w^T [K, N] for dgrad, its
@@ -249,21 +266,23 @@ def forward_gemm(x: Tensor, w: Tensor, recipe: Fp8Recipe, need_dgrad: bool = Tru
         xq, xs = cast(x, E4M3, 1, recipe)
         wq, ws = cast_weight(w, E4M3, 1, recipe)
         return _mm(xq, xs, wq, ws, recipe.fast_accum), (x, w)
-    xq, xq_t, xs = _cast_per_tensor(x, E4M3, recipe, need_wgrad)
+    xq, xq_t, xs = _cast_per_tensor(x, E4M3, recipe, need_wgrad, history.caster("x") if history else cast)
     wq, wq_t, ws = _cast_per_tensor(w, E4M3, recipe, need_dgrad, cast_weight)
     return _mm(xq, xs, wq, ws, recipe.fast_accum), (xq_t, xs, wq_t, ws)
 
 
-def grad_cast(g: Tensor, recipe: Fp8Recipe, need_dgrad: bool, need_wgrad: bool) -> tuple[Tensor | None, ...]:
+def grad_cast(g: Tensor, recipe: Fp8Recipe, need_dgrad: bool, need_wgrad: bool,
+              history: ScaleHistory | None = None) -> tuple[Tensor | None, ...]:
     """g: [M, N] -> what the gradient GEMMs read of it. tensorwise: one cast, (g_q [M, N] for
     dgrad or None, g_q^T [N, M] for an fp8 wgrad or None, scale_inv). rowwise: (g,) (each GEMM
     scales it along its own reduction dim, so each casts it)."""
     if recipe.scaling == "rowwise":
         return (g,)
     fp8_wgrad = need_wgrad and recipe.wgrad_fp8
+    caster = history.caster("g") if history else cast
     if need_dgrad and fp8_wgrad:
-        return cast(g, recipe.grad_dtype, None, recipe, "both")
-    gq, gs = cast(g, recipe.grad_dtype, None, recipe, "row" if need_dgrad else "col")
+        return caster(g, recipe.grad_dtype, None, recipe, "both")
+    gq, gs = caster(g, recipe.grad_dtype, None, recipe, "row" if need_dgrad else "col")
     return (gq, None, gs) if need_dgrad else (None, gq, gs)
 
 
@@ -313,16 +332,18 @@ class Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, recipe: Fp8Recipe,
-                allreduce_dgrad: bool, tp_group: Any, grad_on: bool = True) -> Tensor:
+                allreduce_dgrad: bool, tp_group: Any, grad_on: bool = True,
+                history: ScaleHistory | None = None) -> Tensor:
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
         m = x2.shape[0]
         # grad_on: the caller's grad mode (forward itself runs without); under no_grad (the old
         # policy's logprobs) no backward comes, so no transposed casts are made for it
         need_dgrad, need_wgrad = grad_on and ctx.needs_input_grad[0], grad_on and ctx.needs_input_grad[1]
-        y, saved = forward_gemm(_pad_rows(x2), weight, recipe, need_dgrad, need_wgrad)
+        y, saved = forward_gemm(_pad_rows(x2), weight, recipe, need_dgrad, need_wgrad, history)
         ctx.save_for_backward(*saved)
         ctx.recipe, ctx.m, ctx.lead, ctx.allreduce_dgrad, ctx.tp_group = recipe, m, lead, allreduce_dgrad, tp_group
+        ctx.history = history
         ctx.x_dtype, ctx.w_dtype, ctx.has_bias = x.dtype, weight.dtype, bias is not None
         out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         y = y[:m].to(out_dtype)
@@ -335,7 +356,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         saved, recipe, m = ctx.saved_tensors, ctx.recipe, ctx.m
         g = _pad_rows(grad_out.reshape(m, -1))
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        gc = grad_cast(g, recipe, need_dgrad, need_wgrad)
+        gc = grad_cast(g, recipe, need_dgrad, need_wgrad, ctx.history)
         grad_x = grad_w = grad_b = None
         handle = None
         if need_dgrad:
@@ -349,14 +370,18 @@ class Fp8LinearFunction(torch.autograd.Function):
             grad_b = grad_out.reshape(m, -1).sum(dim=0)
         if handle is not None:
             handle.wait()
-        return grad_x, grad_w, grad_b, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None
 
     @staticmethod
     def run(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: Fp8Recipe, allreduce_dgrad: bool = False,
-            tp_group: Any = None) -> Tensor:
-        """`apply`, told the caller's grad mode."""
+            tp_group: Any = None, history: ScaleHistory | None = None) -> Tensor:
+        """`apply`, told the caller's grad mode. `history`: the layer's, for delayed scaling
+        (`recipe.amax_history` > 0: required), else None."""
+        if recipe.amax_history and history is None:
+            raise ValueError("Fp8Recipe amax_history > 0 (delayed scaling) keeps state per layer: pass the layer's "
+                             "AmaxHistory (core/quant/fp8_delayed.py; megatron's fp8 layers own one each)")
         out: Tensor = Fp8LinearFunction.apply(x, weight, bias, recipe, allreduce_dgrad, tp_group,
-                                              torch.is_grad_enabled())
+                                              torch.is_grad_enabled(), history if recipe.amax_history else None)
         return out
 
 
@@ -369,7 +394,7 @@ def bf16_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 
 def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, recipe: Fp8Recipe = Fp8Recipe(),
-               allreduce_dgrad: bool = False, tp_group: Any = None) -> Tensor:
+               allreduce_dgrad: bool = False, tp_group: Any = None, history: ScaleHistory | None = None) -> Tensor:
     """x: [..., K], weight: [N, K], bias: [N] or None -> [..., N] through FP8 GEMMs, or in bf16
     when `fp8_shape_problem(N, K)` says `_scaled_mm` would refuse the weight's shape. Output
     dtype: the autocast dtype under autocast, else x's."""
@@ -379,4 +404,4 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, recipe: Fp
             raise ValueError(f"fp8_linear's bf16 fallback ({problem}) does not all-reduce dgrad; compute this "
                              "tensor-parallel layer with megatron's own linear")
         return bf16_linear(x, weight, bias)
-    return Fp8LinearFunction.run(x, weight, bias, recipe, allreduce_dgrad, tp_group)
+    return Fp8LinearFunction.run(x, weight, bias, recipe, allreduce_dgrad, tp_group, history)

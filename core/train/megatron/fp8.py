@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from milepost.core.quant.fp8_delayed import AmaxHistory
 from milepost.core.quant.fp8_linear import (
     Fp8LinearFunction,
     Fp8Recipe,
@@ -62,7 +63,7 @@ def _fp8_forward_impl(self: Any, input: torch.Tensor, weight: torch.Tensor, bias
     if allreduce_dgrad and tp_group is None:
         from megatron.core.parallel_state import get_tensor_model_parallel_group
         tp_group = get_tensor_model_parallel_group()
-    return Fp8LinearFunction.run(input, weight, bias, self.fp8_recipe, allreduce_dgrad, tp_group)
+    return Fp8LinearFunction.run(input, weight, bias, self.fp8_recipe, allreduce_dgrad, tp_group, self.fp8_history)
 
 
 @functools.cache
@@ -90,5 +91,7 @@ def attach_fp8(chunks: list[Any], recipe: Fp8Recipe) -> Fp8Layers:
                 continue
             module.__class__ = classes[type(module)]
             module.fp8_recipe = recipe
+            # delayed scaling: each layer its own amax records (not in the state dict: see fp8_delayed)
+            module.fp8_history = AmaxHistory(recipe.amax_history) if recipe.amax_history else None
             done.fp8.append(label)
     return done

@@ -1,0 +1,103 @@
+"""Delayed scaling for the per-tensor FP8 casts of core/quant/fp8_linear.py
+(`Fp8Recipe.amax_history` > 0, tensorwise scaling only).
+
+Current scaling (the default) reads each tensor twice: once for its amax, once to cast it with
+the scale that amax gives. Delayed scaling casts with a scale known before the tensor is read:
+the largest amax of the last N casts of the same operand in the same layer. The cast records
+its own amax for the casts after it, in the same pass over the tensor (one compiled graph
+on CUDA: the amax reduction and the cast read the same input). This is Transformer Engine's
+default recipe (amax history, max) and torchao's `delayed` one.
+
+Rules, and the code that keeps them:
+- Each fp8 layer owns one `AmaxHistory`: its input `x` and its output gradient `g` each have
+  N records, newest first, float32 on the layer's device. Weights keep current scaling (they
+  are cast once per forward-backward schedule anyway: `weight_casts_reused`).
+- A record starts from its operand's first cast, which therefore scales by its own amax, as
+  current scaling does (a zero or arbitrary start would clip or waste range on the first step).
+- A value above the scale's amax saturates at the format's largest value: the clamp is part of
+  every delayed cast, where current scaling could not overflow.
+- Histories live in memory only: a resumed run starts them again from its first micro-batch, so
+  its fp8 numerics are not bit-identical to an uninterrupted run's (its data are the same).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from milepost.core.quant.fp8_linear import (
+    AMAX_FLOOR,
+    Fp8Recipe,
+    Layout,
+    _eager_division_option,
+    tensor_amax,
+)
+
+Role = Literal["x", "g"]
+
+
+def quantize_delayed(x: Tensor, dtype: torch.dtype, history: Tensor, layout: Layout = "row") -> tuple[Tensor, ...]:
+    """x: [R, C], history: float32 [N] (newest first) -> `quantize_t`'s outputs for `layout`
+    ("row": (q, s); "col": (q^T contiguous, s); "both": (q, q^T, s)) with s = max(history) /
+    dtype max; then x's own amax is recorded in `history` (in place, the oldest dropped)."""
+    fmax = torch.finfo(dtype).max
+    amax = history.amax().clamp(min=AMAX_FLOOR)
+    q = (x.float() * (fmax / amax)).clamp(-fmax, fmax).to(dtype)
+    scale_inv = amax / fmax
+    history.copy_(torch.cat([x.abs().amax().float().reshape(1), history[:-1]]))
+    if layout == "row":
+        return q, scale_inv
+    if layout == "col":
+        return q.t().contiguous(), scale_inv
+    return q, q.t().contiguous(), scale_inv
+
+
+@functools.cache
+def _compiled_delayed(dtype: torch.dtype, layout: Layout) -> Callable[[Tensor, Tensor], tuple[Tensor, ...]]:
+    """`quantize_delayed(·, dtype, ·, layout)` compiled, with a code object of its own per
+    combination (dynamo's recompile limit is per code object: fp8_linear._compiled_quantize)."""
+    def quantize_one(x: Tensor, history: Tensor) -> tuple[Tensor, ...]:
+        return quantize_delayed(x, dtype, history, layout)
+    tag = f"delayed_{str(dtype).removeprefix('torch.')}_{layout}"
+    own = types.FunctionType(quantize_one.__code__.replace(co_name=tag), quantize_one.__globals__, tag, None,
+                             quantize_one.__closure__)
+    compiled: Callable[[Tensor, Tensor], tuple[Tensor, ...]] = torch.compile(
+        own, dynamic=True, options=_eager_division_option())
+    return compiled
+
+
+class AmaxHistory:
+    """One fp8 layer's amax records (the rules in this module's docstring)."""
+
+    def __init__(self, length: int) -> None:
+        if length < 1:
+            raise ValueError(f"an amax history needs at least 1 record, got {length}")
+        self.length = length
+        self.records: dict[Role, Tensor] = {}
+
+    def record(self, role: Role, x: Tensor) -> Tensor:
+        """`role`'s records, started from x's own amax at the operand's first cast."""
+        history = self.records.get(role)
+        if history is None or history.device != x.device:
+            history = torch.zeros(self.length, dtype=torch.float32, device=x.device)
+            history[0] = tensor_amax(x).float()
+            self.records[role] = history
+        return history
+
+    def caster(self, role: Role) -> Callable[..., tuple[Tensor, ...]]:
+        """A cast with `fp8_linear.cast`'s signature that scales `role`'s operand from these
+        records (per tensor only: the recipe's scaling is tensorwise)."""
+        def delayed_cast(t: Tensor, dtype: torch.dtype, dim: int | None, recipe: Fp8Recipe,
+                         layout: Layout = "row") -> tuple[Tensor, ...]:
+            if dim is not None:
+                raise ValueError("delayed scaling is per tensor: Fp8Recipe(scaling='tensorwise', amax_history=N)")
+            history = self.record(role, t)
+            if recipe.compile_casts and t.is_cuda:
+                return _compiled_delayed(dtype, layout)(t, history)
+            return quantize_delayed(t, dtype, history, layout)
+        return delayed_cast
