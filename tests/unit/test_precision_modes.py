@@ -100,3 +100,16 @@ def test_milepost_run_refuses_fp8_training_on_the_torch_backend_with_exit_2_and_
     assert code == 2 and not campaign.exists()
     assert err[-1].startswith("milepost: precision.train fp8 is built for train.backend megatron only") \
         and len(err) == 1
+
+
+def test_the_fp8_recipe_is_chosen_by_name_and_an_unknown_name_lists_the_known_ones() -> None:
+    from typing import get_args
+
+    from milepost.core.config import Fp8RecipeName
+    from milepost.core.train.megatron.fp8 import RECIPES
+    assert set(RECIPES) == set(get_args(Fp8RecipeName))  # one list of names, two places
+    assert _recipe("precision.train=fp8", "train.backend=megatron").train.megatron.fp8_recipe == "rowwise"
+    chosen = _recipe("train.backend=megatron", "train.megatron.fp8_recipe=tensorwise-fast-delayed")
+    assert RECIPES[chosen.train.megatron.fp8_recipe].amax_history == 16
+    with pytest.raises(RecipeError, match=r"train.megatron.fp8_recipe.*'rowwise'.*'tensorwise-fast'"):
+        _recipe("train.megatron.fp8_recipe=fastest")

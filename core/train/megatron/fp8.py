@@ -34,6 +34,15 @@ from milepost.core.quant.fp8_linear import (
 
 KEEP_BF16 = ("output_layer",)  # module names (last part) that stay in bf16 whatever their shape
 
+# train.megatron.fp8_recipe -> the recipe (core/config.py Fp8RecipeName lists the same names)
+RECIPES: dict[str, Fp8Recipe] = {
+    "rowwise": Fp8Recipe(),
+    "rowwise-gw-bf16": Fp8Recipe(wgrad_fp8=False),
+    "tensorwise": Fp8Recipe("tensorwise"),
+    "tensorwise-fast": Fp8Recipe("tensorwise", fast_accum=True),
+    "tensorwise-fast-delayed": Fp8Recipe("tensorwise", fast_accum=True, amax_history=16),
+}
+
 
 @dataclass
 class Fp8Layers:

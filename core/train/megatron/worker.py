@@ -46,6 +46,7 @@ from milepost.core.tcp_store import bound_store
 from milepost.core.train.batch import padding_sample
 from milepost.core.train.megatron import cpu_compat, fusions, moe_tp, packed_attention
 from milepost.core.train.megatron.converter import iter_hf_tensors, load_hf_into
+from milepost.core.train.megatron.fp8 import RECIPES as FP8_RECIPES
 from milepost.core.train.megatron.model import (
     ModelSpec,
     build_gpt_model,
@@ -110,12 +111,12 @@ class MegatronRankWorker(SenderRank):
                  temperature: float, seed: int, total_steps: int | None, precision: str = "fp32",
                  fp8_recipe: Fp8Recipe | None = None, weight_format: str | None = None) -> None:
         """`precision`: precision.train (fp32 | bf16 | fp8 | int4_qat; core/train/precision.py says what each
-        does where). `fp8_recipe`: how fp8 scales (core/quant/fp8_linear.py; benchmarks vary it).
+        does where). `fp8_recipe`: how fp8 scales (core/quant/fp8_linear.py); None: train.megatron.fp8_recipe's.
         `weight_format`: what weight sync sends (weight_sender.WeightSender)."""
         self.weight_format = weight_format
         torch.set_num_threads(train_cfg.num_threads_per_rank)
         self.rank, self.world_size, self.model_path, self.precision = rank, world_size, model_path, precision
-        self.fp8_recipe = fp8_recipe or Fp8Recipe()
+        self.fp8_recipe = fp8_recipe or FP8_RECIPES[train_cfg.megatron.fp8_recipe]
         self.cfg, self.algo, self.temperature, self.seed = train_cfg, algo_cfg, temperature, seed
         self.lr_mult = lr_lambda(train_cfg.lr_schedule, train_cfg.warmup_steps, total_steps)
         self.sched_step = 0
