@@ -7,7 +7,7 @@ bench/results/megatron_mfu.txt) and trains `--steps` optimizer steps on `--batch
 batches, cycled, timing each step (synced):
 - bf16: megatron's bf16 training (bf16 parameters, fp32 master weights and Adam state);
 - fp8[recipe]: the same with the transformer linears' GEMMs through torch._scaled_mm
-  (core/train/megatron/fp8.py; recipes: core/quant/fp8_linear.py `Fp8Recipe`). Defaults:
+  (core/train/megatron/fp8.py; recipes: core/quant/fp8_cast.py `Fp8Recipe`). Defaults:
   rowwise (the recipe's default), tensorwise (one amax pass per tensor, each operand cast once
   per micro-batch with its transposed copy written by the same compiled cast: ~30 % less cast
   traffic than rowwise, e5m2 gradients), rowwise-gw-bf16 (no
@@ -80,7 +80,7 @@ def run_mode(folder: str, name: str, batches: list[list[Any]], args: argparse.Na
     mode: 'int4_qat', 'fp32'): step times, NLL curve, peak memory, one synced phase split, and
     how many linears ran in fp8."""
     from milepost.core.config import AlgoConfig
-    from milepost.core.quant.fp8_linear import Fp8Recipe
+    from milepost.core.quant.fp8_cast import Fp8Recipe
     recipe = Fp8Recipe(**RECIPES[name[4:-1]]) if name.startswith("fp8[") else None
     mfu.reset_peak()
     precision = "fp8" if recipe else name

@@ -1,4 +1,4 @@
-"""Delayed scaling for the per-tensor FP8 casts of core/quant/fp8_linear.py
+"""Delayed scaling for the per-tensor FP8 casts of core/quant/fp8_cast.py
 (`Fp8Recipe.amax_history` > 0, tensorwise scaling only).
 
 Current scaling (the default) reads each tensor twice: once for its amax, once to cast it with
@@ -30,7 +30,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from milepost.core.quant.fp8_linear import (
+from milepost.core.quant.fp8_cast import (
     AMAX_FLOOR,
     Fp8Recipe,
     Layout,
@@ -60,7 +60,7 @@ def quantize_delayed(x: Tensor, dtype: torch.dtype, history: Tensor, layout: Lay
 @functools.cache
 def _compiled_delayed(dtype: torch.dtype, layout: Layout) -> Callable[[Tensor, Tensor], tuple[Tensor, ...]]:
     """`quantize_delayed(·, dtype, ·, layout)` compiled, with a code object of its own per
-    combination (dynamo's recompile limit is per code object: fp8_linear._compiled_quantize)."""
+    combination (dynamo's recompile limit is per code object: fp8_cast._compiled_quantize)."""
     def quantize_one(x: Tensor, history: Tensor) -> tuple[Tensor, ...]:
         return quantize_delayed(x, dtype, history, layout)
     tag = f"delayed_{str(dtype).removeprefix('torch.')}_{layout}"
@@ -90,7 +90,7 @@ class AmaxHistory:
         return history
 
     def caster(self, role: Role) -> Callable[..., tuple[Tensor, ...]]:
-        """A cast with `fp8_linear.cast`'s signature that scales `role`'s operand from these
+        """A cast with `fp8_cast.cast`'s signature that scales `role`'s operand from these
         records (per tensor only: the recipe's scaling is tensorwise)."""
         def delayed_cast(t: Tensor, dtype: torch.dtype, dim: int | None, recipe: Fp8Recipe,
                          layout: Layout = "row") -> tuple[Tensor, ...]:

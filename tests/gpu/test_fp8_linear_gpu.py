@@ -14,7 +14,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from milepost.core.quant.fp8_linear import E4M3, E5M2, Fp8Recipe, _compiled_quantize, fp8_linear, quantize_t
+from milepost.core.quant.fp8_cast import E4M3, E5M2, Fp8Recipe, _compiled_quantize, quantize_t
+from milepost.core.quant.fp8_linear import fp8_linear
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs an FP8 GPU")]

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from milepost.core.quant.fp8_cast import E4M3, E5M2, Fp8Recipe, quantize_t
 from milepost.core.quant.fp8_delayed import AmaxHistory, _compiled_delayed, quantize_delayed
-from milepost.core.quant.fp8_linear import E4M3, E5M2, Fp8Recipe, fp8_linear, quantize_t
+from milepost.core.quant.fp8_linear import fp8_linear
 
 DELAYED = Fp8Recipe("tensorwise", amax_history=4)
 

@@ -1,4 +1,4 @@
-"""core/quant/fp8_linear.py on CPU (torch._scaled_mm's reference kernel: the GPU's code).
+"""core/quant/fp8_linear.py and fp8_cast.py on CPU (torch._scaled_mm's reference kernel: the GPU's code).
 
 Error bounds, stated per element and checked against a float64 reference of the same inputs:
 an fp8 value is the input times (1 + e) plus at most half a subnormal step times its scale,
@@ -12,20 +12,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from milepost.core.quant.fp8_linear import (
-    ALIGN,
+from milepost.core.quant.fp8_cast import (
     E4M3,
     E5M2,
     Fp8Recipe,
     _compiled_quantize,
-    forward_gemm,
-    fp8_linear,
-    fp8_shape_problem,
-    grad_cast,
     quantize,
     quantize_t,
     weight_casts_reused,
 )
+from milepost.core.quant.fp8_linear import ALIGN, forward_gemm, fp8_linear, fp8_shape_problem, grad_cast
 
 REL = {E4M3: 2.0**-4, E5M2: 2.0**-3}
 HALF_SUBNORMAL = {E4M3: 2.0**-10, E5M2: 2.0**-17}
@@ -240,7 +236,7 @@ def test_tensorwise_casts_each_operand_once_in_only_the_layouts_its_gradients_re
 
 
 def _count_casts(monkeypatch: pytest.MonkeyPatch) -> list[torch.Size]:
-    import milepost.core.quant.fp8_linear as fp8
+    import milepost.core.quant.fp8_cast as fp8  # cast_weight casts through it
     shapes: list[torch.Size] = []
     real = fp8.cast
 

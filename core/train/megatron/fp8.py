@@ -25,12 +25,9 @@ from typing import Any
 
 import torch
 
+from milepost.core.quant.fp8_cast import Fp8Recipe
 from milepost.core.quant.fp8_delayed import AmaxHistory
-from milepost.core.quant.fp8_linear import (
-    Fp8LinearFunction,
-    Fp8Recipe,
-    fp8_shape_problem,
-)
+from milepost.core.quant.fp8_linear import Fp8LinearFunction, fp8_shape_problem
 
 KEEP_BF16 = ("output_layer",)  # module names (last part) that stay in bf16 whatever their shape
 

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from milepost.core.algo.routing_replay import RankReplay
 from milepost.core.config import AlgoConfig, LoraConfig, TrainConfig
-from milepost.core.quant.fp8_linear import Fp8Recipe, weight_casts_reused
+from milepost.core.quant.fp8_cast import Fp8Recipe, weight_casts_reused
 from milepost.core.tcp_store import bound_store
 from milepost.core.train.batch import padding_sample
 from milepost.core.train.megatron import cpu_compat, fusions, moe_tp, packed_attention
@@ -111,7 +111,7 @@ class MegatronRankWorker(SenderRank):
                  temperature: float, seed: int, total_steps: int | None, precision: str = "fp32",
                  fp8_recipe: Fp8Recipe | None = None, weight_format: str | None = None) -> None:
         """`precision`: precision.train (fp32 | bf16 | fp8 | int4_qat; core/train/precision.py says what each
-        does where). `fp8_recipe`: how fp8 scales (core/quant/fp8_linear.py); None: train.megatron.fp8_recipe's.
+        does where). `fp8_recipe`: how fp8 scales (core/quant/fp8_cast.py); None: train.megatron.fp8_recipe's.
         `weight_format`: what weight sync sends (weight_sender.WeightSender)."""
         self.weight_format = weight_format
         torch.set_num_threads(train_cfg.num_threads_per_rank)
