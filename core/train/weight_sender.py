@@ -248,7 +248,7 @@ class WeightSender:
 
     def _fill(self, flat: torch.Tensor, pairs: list[tuple[wire.Spec, torch.Tensor]], offs: list[int]) -> None:
         """A bucket's tensors into `flat` at `offs` (back to back from 0): on a GPU with every
-        tensor there, one concatenation (wire.pack_into; not yet timed on the GPU), else _copy."""
+        tensor there, one concatenation (wire.pack_into), else _copy."""
         if flat.is_cuda and all(t.device == flat.device for _, t in pairs):
             wire.pack_into(flat, [t for _, t in pairs])
             return

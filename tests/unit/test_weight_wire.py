@@ -174,6 +174,30 @@ def test_pack_into_lays_every_dtype_back_to_back_as_offsets_says() -> None:
     assert not flat[total:].any()
 
 
+@pytest.mark.parametrize("sizes,start,wide", [
+    ([4096, 8, 24], 0, torch.int64),  # every length and the start a multiple of 8: int64 elements
+    ([4096, 12, 24], 0, torch.int32),  # one length only a multiple of 4
+    ([4096, 6], 0, torch.int16),
+    ([4096, 8], 3, None),  # flat's start at an odd byte: uint8, as before
+])
+def test_pack_into_concatenates_as_the_widest_integer_every_piece_allows_and_writes_the_same_bytes(
+        sizes, start, wide, monkeypatch) -> None:
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
+    base = torch.zeros(sum(sizes) + start + 8, dtype=torch.uint8)
+    flat = base[start:]
+    seen: list[torch.dtype] = []
+    real_cat = torch.cat
+
+    def cat(pieces, out):
+        seen.append(out.dtype)
+        return real_cat(pieces, out=out)
+    monkeypatch.setattr(wire.torch, "cat", cat)
+    assert wire.pack_into(flat, tensors) == sum(sizes)
+    assert seen == [wide or torch.uint8]
+    assert torch.equal(flat[:sum(sizes)], real_cat(tensors)) and not flat[sum(sizes):].any() and not base[:start].any()
+
+
 def test_an_engine_whose_weights_are_not_in_host_memory_refuses_the_shm_format() -> None:
     """Served in place means host memory; a GPU engine does not announce the format, and a
     descriptor sent anyway is refused before any file is opened (meta tensors stand in for
