@@ -255,8 +255,8 @@ def pack_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> int:
     total = sum(p.numel() for p in pieces)
     out = flat[:total]
     for dtype in _WIDE:
-        wide = [wide_view(p, dtype) for p in pieces + [out]]
-        if all(w is not None for w in wide):
+        wide = [w for w in (wide_view(p, dtype) for p in pieces + [out]) if w is not None]
+        if len(wide) == len(pieces) + 1:  # every piece and flat's start allow this width
             torch.cat(wide[:-1], out=wide[-1])
             return total
     torch.cat(pieces, out=out)
