@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cuda_ipc_sync import model_specs
 
-from milepost.core.train.weight_sender import WeightSender, pack_parameters
+from milepost.core.train.weight_sender import WeightSender, pack_parameters, packed_placement
 from milepost.core.weight_sync import cuda_buffers, wire
 
 RESULTS = Path(__file__).parent / "results" / "weight_sender_python_cpu.txt"
@@ -55,11 +55,9 @@ def old_gather(sender: WeightSender, names: list[str]) -> list[tuple[wire.Spec, 
 def one_push(plan: list[list[str]], gather: Callable[[list[str]], list[tuple[wire.Spec, torch.Tensor]]]) -> None:
     """to_cuda's CPU side for packed weights, bucket by bucket (no export: it is made once)."""
     for names in plan:
-        pairs = gather(names)
-        tensors = [t for _, t in pairs]
-        assert wire.span(tensors) is not None  # packed: read in place
-        placed = [{**spec, "offset": t.storage_offset() * t.element_size()} for spec, t in pairs]
-        cuda_buffers.encode_descriptor({"device": "GPU-0"}, placed)
+        in_place = packed_placement(gather(names))
+        assert in_place is not None  # packed: read in place
+        cuda_buffers.encode_descriptor({"device": "GPU-0"}, in_place[1])
 
 
 def best_ms(fn: Callable[[], None], pushes: int) -> float:

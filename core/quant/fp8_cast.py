@@ -142,7 +142,7 @@ def cast(x: Tensor, dtype: torch.dtype, dim: int | None, recipe: Fp8Recipe,
     return quantize_t(x, dtype, dim, layout)
 
 
-# Weight casts reused across micro-batches: {key: (weight, its _version, the cast)} while
+# Weight casts reused across micro-batches: {(id of the weight, cast): (weight, its _version, the cast)} while
 # `weight_casts_reused()` is open, else None.
 _WEIGHT_CASTS: dict[tuple[Any, ...], tuple[Tensor, int, tuple[Tensor, ...]]] | None = None
 
@@ -174,7 +174,7 @@ def cast_weight(w: Tensor, dtype: torch.dtype, dim: int | None, recipe: Fp8Recip
     cache = _WEIGHT_CASTS
     if cache is None or not isinstance(w, torch.nn.Parameter):
         return cast(w, dtype, dim, recipe, layout)
-    key = (w.data_ptr(), tuple(w.shape), w.dtype, dtype, dim, layout, recipe.compile_casts)
+    key = (id(w), dtype, dim, layout, recipe.compile_casts)  # the entry holds w: its id stays its own
     hit = cache.get(key)
     if hit is not None and hit[0] is w and hit[1] == w._version:
         return hit[2]

@@ -84,7 +84,8 @@ def _mm(a: Tensor, sa: Tensor, b_t: Tensor, sb_t: Tensor, fast_accum: bool = Fal
 
 
 def _cast_per_tensor(t: Tensor, dtype: torch.dtype, recipe: Fp8Recipe,
-                     transposed_too: bool, caster: Any = cast) -> tuple[Tensor, Tensor | None, Tensor]:
+                     transposed_too: bool, caster: Callable[..., tuple[Tensor, ...]] = cast,
+                     ) -> tuple[Tensor, Tensor | None, Tensor]:
     """One per-tensor cast of t: [R, C] -> (q [R, C], q^T [C, R] or None, scale_inv []), by
     `caster` (`cast`, or `cast_weight` for a weight)."""
     if transposed_too:

@@ -52,6 +52,15 @@ def pack_parameters(module: torch.nn.Module) -> int:
     return moved
 
 
+def packed_placement(pairs: list[tuple[wire.Spec, torch.Tensor]]) -> tuple[torch.Tensor, list[wire.Spec]] | None:
+    """Where a bucket lies in place (packed parameters, wire.span): (the flat span, each spec
+    with its byte offset in the span's storage), or None where its tensors are not back to back."""
+    flat = wire.span([t for _, t in pairs])
+    if flat is None:
+        return None
+    return flat, [{**spec, "offset": t.storage_offset() * t.element_size()} for spec, t in pairs]
+
+
 @dataclass
 class BucketFile:
     name: str
@@ -219,16 +228,17 @@ class WeightSender:
         pairs = self._gather(names)
         specs = [s for s, _ in pairs]
         tensors = [t for _, t in pairs]
-        flat = wire.span(tensors) if tensors and tensors[0].is_cuda else None
-        if flat is not None:
-            placed = [{**spec, "offset": t.storage_offset() * t.element_size()} for spec, t in pairs]
+        in_place = packed_placement(pairs) if tensors and tensors[0].is_cuda else None
+        if in_place is not None:
+            flat, placed = in_place
         else:
             offs, total = wire.offsets(specs)
             device = tensors[0].device if tensors and tensors[0].is_cuda else torch.device("cuda")
-            flat = self._cuda_buffers.get(bucket)
-            if flat is None or flat.numel() < total or flat.device != device:
-                self._forget_exports(flat)
-                flat = self._cuda_buffers[bucket] = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
+            kept = self._cuda_buffers.get(bucket)
+            if kept is None or kept.numel() < total or kept.device != device:
+                self._forget_exports(kept)
+                kept = self._cuda_buffers[bucket] = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
+            flat = kept
             self._fill(flat, pairs, offs)
             placed = [{**spec, "offset": o} for spec, o in zip(specs, offs)]
         torch.cuda.current_stream(flat.device).synchronize()  # the engine reads on its own stream

@@ -266,7 +266,7 @@ def pack_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> int:
 def wide_view(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     """A 1-D uint8 tensor's bytes as `dtype` elements (no copy), or None where its length or
     its address is not a multiple of the element size."""
-    size = torch.empty((), dtype=dtype).element_size()
-    if raw.numel() % size or (raw.storage_offset() + raw.untyped_storage().data_ptr()) % size:
+    size = dtype.itemsize
+    if raw.numel() % size or raw.data_ptr() % size:
         return None
     return raw.view(dtype)
