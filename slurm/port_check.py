@@ -1,6 +1,6 @@
 """Is a Ray port slot free on this host? Checked before `ray start`, locally and on Slurm.
 
-Two campaigns hash to the same slot with probability 1/130 (sbatch.RayPorts), and a port
+Two campaigns hash to the same slot with probability 1/42 (sbatch.RayPorts), and a port
 may be held by anything else. `ray start` on a taken port fails late and unclearly, so the
 slot is checked first: the local launcher then takes the next slot, and the allocation
 script exits with PORTS_TAKEN_EXIT, after which the launcher submits on the next slot.

@@ -22,9 +22,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from milepost.slurm.options import SlurmOptions, check_directive_value
 from milepost.slurm.slurm_executor import submitit_parameters
 
+# Slots lie between Ray's own defaults (worker ports 10002-19999) and Linux's default
+# ephemeral range (32768-60999): an outgoing connection's local port never lands in a slot.
+# CI once found a slot at 44300-44599 taken by such a connection.
 PORT_FIRST = 20000
 PORT_SLOT_SIZE = 300
-NUM_PORT_SLOTS = 130  # 20000 … 58999
+NUM_PORT_SLOTS = 42  # 20000 … 32599
 NUM_NODE_PORTS = 4  # dashboard agent (listen, grpc), metrics export, runtime env agent
 NODE_PORT_GROUPS = 22  # per-node port groups: distinct for nodes that share a host
 
@@ -58,10 +61,11 @@ class RayPorts(BaseModel):
 
     @classmethod
     def for_campaign(cls, campaign_id: str) -> RayPorts:
-        """A slot of 300 ports picked by a hash of the campaign id (130 slots).
+        """A slot of 300 ports picked by a hash of the campaign id (42 slots).
 
-        Deterministic, so a resumed block reuses its ports; two campaigns collide with
-        probability 1/130, in which case `ray start` fails at once on the shared node.
+        Deterministic, so a resumed block reuses its ports. Two campaigns hash to the same
+        slot with probability 1/42; the second finds its ports taken (port_check) and moves
+        to the next slot.
         """
         slot = zlib.crc32(campaign_id.encode()) % NUM_PORT_SLOTS
         base = PORT_FIRST + slot * PORT_SLOT_SIZE

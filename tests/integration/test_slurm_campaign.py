@@ -214,10 +214,14 @@ def test_a_taken_port_slot_moves_the_allocation_to_the_next_slot(dev_cluster, tm
     try:
         driver.run_stage(0, Stage.START_RAY)
         launch = _record(tmp_path / "a", "start_ray")
-        assert launch.get("attempt") == 1, launch
-        first_logs = [p for p in (tmp_path / "a/blocks/000000/logs").glob("ray-*.err")
-                      if p.name != f"ray-{launch['job_id']}.err"]
-        assert any(TAKEN_MESSAGE in p.read_text() for p in first_logs), [p.read_text()[-500:] for p in first_logs]
+        # Slot 0 is held here; a later slot may be held by another process on this host too,
+        # and moving past it is the same rule: every allocation before the one that started
+        # left a log saying its slot was taken.
+        assert launch.get("attempt", 0) >= 1, launch
+        earlier_logs = [p for p in (tmp_path / "a/blocks/000000/logs").glob("ray-*.err")
+                        if p.name != f"ray-{launch['job_id']}.err"]
+        assert len(earlier_logs) == launch["attempt"], (launch, earlier_logs)
+        assert all(TAKEN_MESSAGE in p.read_text() for p in earlier_logs), [p.read_text()[-500:] for p in earlier_logs]
     finally:
         holder.close()
         driver.teardown(0)

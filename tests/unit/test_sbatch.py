@@ -128,8 +128,15 @@ def test_campaign_ports_are_deterministic_and_in_range():
 
 
 def test_different_campaigns_mostly_get_different_ports():
-    slots = {RayPorts.for_campaign(f"campaign-{i}").gcs for i in range(20)}
-    assert len(slots) >= 15
+    slots = {RayPorts.for_campaign(f"campaign-{i}").gcs for i in range(200)}
+    assert len(slots) == NUM_PORT_SLOTS  # the hash reaches every slot
+
+
+def test_every_slot_lies_outside_rays_defaults_and_the_ephemeral_range():
+    """An outgoing connection's local port (Linux default 32768-60999) must never take a
+    slot's port, nor a default `ray start`'s workers (10002-19999)."""
+    last = PORT_FIRST + NUM_PORT_SLOTS * PORT_SLOT_SIZE - 1
+    assert PORT_FIRST >= 20000 and last < 32768
 
 
 def test_overlapping_ports_are_rejected():
