@@ -9,10 +9,13 @@ tests/gpu/test_cuda_buffers_gpu.py run the whole push over HTTP). Rows:
   engine decodes it through milepost's allow-list and copies each tensor into its own
   weights. Once with the engine opening each handle (as SGLang does), once keeping it.
 - milepost's CUDA format (cuda_buffers), through the trainer's real sender
-  (WeightSender.to_cuda) and the engine's real reading (decode_descriptor, MappedStorages,
-  wire.copy_all): each storage exported and mapped once, JSON per push. Once with the
-  trainer's weights as separate tensors (copied into a bucket buffer), once packed
-  (pack_parameters: the engine copies straight out of the trainer's weights).
+  (WeightSender.to_cuda) and the engine's real receiving code: a WeightReceiver session
+  (begin, each payload through weight_routes.load_tensor_payload and cuda_staging, the version,
+  the commit into live weights packed as the engine packs them on a GPU). Each storage is
+  exported and mapped once and each bucket's plan made once. Once with the trainer's weights
+  as separate tensors (copied into a bucket buffer), once packed (pack_parameters: the engine
+  copies straight out of the trainer's weights). Since 12-06 the push counts begin and commit
+  too (before, only the bucket loads: the commit's copy into the live weights was left out).
 The floor: one device-to-device copy of the same bytes in one process.
 
     python bench/cuda_ipc_sync.py [--params-gb 0.99] [--bucket-mb 512] [--pushes 5] [--out FILE]
@@ -25,14 +28,13 @@ from __future__ import annotations
 import argparse
 import base64
 import datetime
-import json
 import multiprocessing as mp
 import time
 from pathlib import Path
 
 import torch
 
-from milepost.core.weight_sync import cuda_buffers, sglang_wire, wire
+from milepost.core.weight_sync import sglang_wire, wire
 
 RESULTS = Path(__file__).parent / "results" / "cuda_ipc_sync.txt"
 LAYER = [("q", [896, 896]), ("k", [128, 896]), ("v", [128, 896]), ("o", [896, 896]),
@@ -100,65 +102,76 @@ def milepost_specs(specs: list[wire.Spec]) -> list[wire.Spec]:
 
 
 def milepost_trainer(conn, results, specs: list[wire.Spec], bucket_bytes: int, pushes: int, packed: bool) -> None:
+    """A push as the tensor transport makes it, minus the HTTP: begin, every bucket
+    (WeightSender.to_cuda, then the engine's load), then the version and the commit."""
     from milepost.core.train.weight_sender import WeightSender, pack_parameters
     module = _Weights(specs)
     if packed:
         pack_parameters(module)
     sender = WeightSender(module)
     plan = [[s["name"] for s in bucket] for bucket in sender.buckets(bucket_bytes)]
-    times, phases = [], {"trainer_to_cuda": 0.0, "engine_round_trip": 0.0}
-    for _ in range(pushes):
+    times, phases = [], {"trainer_to_cuda": 0.0, "engine_round_trips": 0.0}
+    for push_index in range(pushes):
         torch.cuda.synchronize()
         start = time.perf_counter()
+        conn.send(("begin", None))
+        conn.recv()
         for i, names in enumerate(plan):
             t0 = time.perf_counter()
-            (payload,) = sender.to_cuda(names, i)  # copy (unless packed), sync, JSON
+            (payload,) = sender.to_cuda(names, i)  # copy (unless packed), sync, JSON (kept after the first push)
             t1 = time.perf_counter()
-            conn.send(payload)
+            conn.send(("load", payload))
             conn.recv()  # the engine copied it in: the buffer may be written again
-            t2 = time.perf_counter()
             phases["trainer_to_cuda"] += (t1 - t0) / pushes
-            phases["engine_round_trip"] += (t2 - t1) / pushes
+            phases["engine_round_trips"] += (time.perf_counter() - t1) / pushes
+        conn.send(("commit", str(push_index + 1)))
+        conn.recv()
         times.append(time.perf_counter() - start)
     conn.send(None)
     results.put({"times": times, "buckets": len(plan), "phases": phases, "engine": conn.recv()})
 
 
-def milepost_engine(conn, specs: list[wire.Spec]) -> None:
-    """The engine's reading as WeightReceiver.load_cuda does it (minus the HTTP and session):
-    into staging tensors laid out back to back (as its shadow_span), by wire.copy_bucket."""
-    staging = torch.empty(sum(wire.spec_nbytes(s) for s in specs) // 2, dtype=torch.bfloat16, device="cuda")
-    mine, pos = {}, 0
-    for s in specs:
-        n = wire.spec_nbytes(s) // 2
-        mine[s["name"]] = staging[pos:pos + n].view(s["shape"])
-        pos += n
-    mapped = cuda_buffers.MappedStorages()
-    phases, pushes = {"decode_and_map": 0.0, "engine_copy": 0.0}, 0
-    while (payload := conn.recv()) is not None:
+def milepost_engine(conn, specs: list[wire.Spec], pushes: int) -> None:
+    """The built-in engine's receiving code (WeightReceiver: session, core/engine/cuda_staging.py's
+    read of each payload through weight_routes.load_tensor_payload, the commit into the live
+    weights) over live weights packed as the engine packs them on a GPU at load; only the
+    scheduler is a stand-in (the parts the receiver touches, as tests/unit/test_weight_layout.py)."""
+    import threading
+    from types import SimpleNamespace
+
+    from milepost.core.engine.weight_receiver import WeightReceiver
+    from milepost.core.engine.weight_routes import load_tensor_payload
+    from milepost.core.weight_sync.packing import pack_parameters
+    model = _Weights(specs)
+    pack_parameters(model)
+    sched = SimpleNamespace(model=model, model_lock=threading.Lock(), weight_version="0", num_running=lambda: 0,
+                            memory=SimpleNamespace(update_problem=lambda: None))
+    receiver = WeightReceiver(sched)
+    phases = {"begin": 0.0, "load": 0.0, "commit": 0.0}
+    while (message := conn.recv()) is not None:
+        kind, arg = message
         t0 = time.perf_counter()
-        descriptor = cuda_buffers.decode_descriptor(json.loads(base64.b64decode(payload)))
-        storage = mapped.storage(descriptor)
-        t1 = time.perf_counter()
-        got = descriptor["tensors"]
-        wire.copy_bucket([mine[s["name"]] for s in got], storage, got)
-        torch.cuda.current_stream().synchronize()  # done before answering (load_flat does the same)
-        t2 = time.perf_counter()
-        phases["decode_and_map"] += t1 - t0
-        phases["engine_copy"] += t2 - t1
-        pushes += 1
-        conn.send("ok")
-    conn.send({k: v / max(pushes, 1) for k, v in phases.items()})
+        if kind == "begin":
+            status, text = receiver.begin("")
+        elif kind == "load":
+            status, text = receiver.run_update(lambda payload=arg: load_tensor_payload(receiver, payload), False, None)
+        else:
+            receiver.stage_version(arg)
+            status, text = receiver.end()
+            torch.cuda.current_stream().synchronize()  # the commit's copies are done before answering
+        assert status == 200, text
+        phases[kind] += (time.perf_counter() - t0) / pushes
+        conn.send(text)
+    conn.send(phases)
 
 
-def engine(conn, specs: list[wire.Spec], keep_mappings: bool) -> None:
+def engine(conn, specs: list[wire.Spec], keep_mappings: bool, pushes: int) -> None:
     """`keep_mappings`: hold the last bucket decoded from each trainer buffer, so the next
     push's handle (the trainer reuses its buffer) is found in torch's cache instead of being
     opened again (cudaIpcOpenMemHandle); SGLang drops it after each load."""
     mine = {s["name"]: torch.empty(s["shape"], dtype=torch.bfloat16, device="cuda") for s in specs}
     local = torch.empty(sum(wire.spec_nbytes(s) for s in specs), dtype=torch.uint8, device="cuda")
-    held, phases, pushes = [], {"decode": 0.0, "engine_copy": 0.0, "one_copy_of_bucket": 0.0,
-                                "local_copy_same_bytes": 0.0}, 0
+    held, phases = [], {"decode": 0.0, "engine_copy": 0.0, "one_copy_of_bucket": 0.0, "local_copy_same_bytes": 0.0}
     while (payload := conn.recv()) is not None:
         t0 = time.perf_counter()
         flat, got = sglang_wire.decode(base64.b64decode(payload))
@@ -175,13 +188,12 @@ def engine(conn, specs: list[wire.Spec], keep_mappings: bool) -> None:
         torch.cuda.synchronize()
         t4 = time.perf_counter()
         for key, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
-            phases[key] += dt
-        pushes += 1
+            phases[key] += dt / pushes  # summed over a push's buckets
         held = [flat] if keep_mappings else []
         del flat, raw
         conn.send("ok")
     del held
-    conn.send({k: v / max(pushes, 1) for k, v in phases.items()})
+    conn.send(phases)
 
 
 def device_copy_s(nbytes: int, repeats: int = 5, device: str = "cuda", to_device: str | None = None) -> float:
@@ -219,10 +231,10 @@ def push(specs: list[wire.Spec], args: argparse.Namespace, row: str) -> dict:
         ours = milepost_specs(specs)
         procs = [ctx.Process(target=milepost_trainer, args=(to_engine, results, ours, bucket_bytes, args.pushes,
                                                             row == "milepost-packed")),
-                 ctx.Process(target=milepost_engine, args=(to_trainer, ours))]
+                 ctx.Process(target=milepost_engine, args=(to_trainer, ours, args.pushes))]
     else:
         procs = [ctx.Process(target=trainer, args=(to_engine, results, specs, bucket_bytes, args.pushes)),
-                 ctx.Process(target=engine, args=(to_trainer, specs, row == "sglang-keep"))]
+                 ctx.Process(target=engine, args=(to_trainer, specs, row == "sglang-keep", args.pushes))]
     for p in procs:
         p.start()
     measured = results.get(timeout=600)
@@ -252,8 +264,7 @@ def main() -> None:
         lines.append(f"push by CUDA IPC, {ROWS[row]}: best of "
                      f"{len(measured['times'])} (first {measured['times'][0]:.4f} s): {push_s:.4f} s = "
                      f"{nbytes / push_s / 1e9:.1f} GB/s, vs device copy {copy_s / push_s:.3f}")
-        phases = {**measured["phases"], **{f"engine {k}": v * measured["buckets"]
-                                          for k, v in measured["engine"].items()}}
+        phases = {**measured["phases"], **{f"engine {k}": v for k, v in measured["engine"].items()}}
         lines.append("  per push (mean, each phase synchronised apart, buckets summed): " +
                      ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in phases.items()))
     def ratio(row: str) -> float:

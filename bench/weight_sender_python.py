@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cuda_ipc_sync import model_specs
 
-from milepost.core.train.weight_sender import WeightSender, pack_parameters, packed_placement
+from milepost.core.train.cuda_sender import packed_placement
+from milepost.core.train.weight_sender import WeightSender, pack_parameters
 from milepost.core.weight_sync import cuda_buffers, wire
 
 RESULTS = Path(__file__).parent / "results" / "weight_sender_python_cpu.txt"

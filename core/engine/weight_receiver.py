@@ -8,7 +8,6 @@ Payload formats live in milepost.core.weight_sync.wire; HTTP parsing in weight_r
 from __future__ import annotations
 
 import logging
-import pickle
 import threading
 import time
 from collections.abc import Iterator
@@ -18,11 +17,12 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from milepost.core.engine.cuda_staging import CudaStaging
 from milepost.core.engine.group_receiver import GroupReceiver
 from milepost.core.engine.shm_leases import Lease, LeaseError, ShmFiles
 from milepost.core.quant.fp8 import FP8_DTYPE
 from milepost.core.weight_sync import wire
-from milepost.core.weight_sync.cuda_buffers import MappedStorages
+from milepost.core.weight_sync.packing import CopyRuns, allocate_packed
 
 if TYPE_CHECKING:  # types only: the scheduler imports the parts of the engine
     from milepost.core.engine.scheduler import Scheduler
@@ -86,7 +86,7 @@ class WeightReceiver:
         self._shadows: dict[str, torch.Tensor] = {}  # private staging tensors (distributed)
         self._live_leases: dict[str, Lease] = {}  # canonical name → lease of the file it lives in
         self._files = ShmFiles()
-        self._mapped = MappedStorages()  # trainer CUDA storages (milepost's CUDA format), mapped once
+        self.cuda = CudaStaging(self)  # milepost's CUDA format: trainer storages mapped once, reads planned once
         self.groups = GroupReceiver(self)  # the distributed transport's side
         self.unloaded: set[str] = set()  # canonical names allocated by a memory resume, not yet loaded
         self.epoch = 0  # bumped whenever a live tensor's storage is replaced (fast_path.ContinuousDriver)
@@ -154,13 +154,15 @@ class WeightReceiver:
             self._discard(s)
             return 503, f"model busy for {self.lock_timeout_s} s; still serving {self.sched.weight_version}"
         try:
-            targets = self._target_map()
-            copied = [(c, t) for c, (t, lease) in s.staged.items() if self._copies_in(targets[c][1], t, lease)]
-            # one multi-tensor copy for all of them (on a GPU, one copy per tensor costs ~25 us each)
-            wire.copy_all([targets[c][1].data for c, _ in copied], [t for _, t in copied])
-            done = {c for c, _ in copied}
+            targets = self.target_map()
+            copied = {c: t for c, (t, lease) in s.staged.items() if self._copies_in(targets[c][1], t, lease)}
+            # as few copies as the layouts allow: on a GPU the live weights lie back to back (packing.py)
+            # and so do a bucket's shadows, so a commit is a few span copies, not one per tensor
+            CopyRuns([targets[c][1].data for c in copied], list(copied.values())).run()
+            self._copied_in(copied)
             for canonical, (tensor, lease) in s.staged.items():
-                self._swap_in(canonical, tensor, lease, copied=canonical in done)
+                if canonical not in copied:
+                    self._swap_in(canonical, tensor, lease)
             self.sched.weight_version = version
         finally:
             self.sched.model_lock.release()
@@ -172,19 +174,28 @@ class WeightReceiver:
         graphs captured over the live tensor stay valid (static_model.py)."""
         return live.is_cuda and lease is None and bool(live.numel()) and live.shape == tensor.shape
 
-    def _swap_in(self, canonical: str, tensor: torch.Tensor, lease: Lease | None, copied: bool = False) -> None:
-        """Point the live tensor at `tensor` (caller holds model_lock and _update_lock);
-        `copied`: the caller already copied it into the live tensor."""
-        live = self._target_map()[canonical][1]
-        self.generation += 1  # contents change either way (quantized.py re-quantises on it)
-        if self._copies_in(live, tensor, lease):
-            # Copied in, not swapped; the staged tensor stays the next shadow.
-            if not copied:
-                live.data.copy_(tensor)
-            self.unloaded.discard(canonical)
+    def _copied_in(self, copied: dict[str, torch.Tensor]) -> None:
+        """Bookkeeping after `copied` (canonical name → staged tensor) was copied into the live
+        tensors (caller holds both locks): each staged tensor stays that name's next shadow."""
+        if not copied:
+            return
+        self.generation += 1  # contents changed (quantized.py re-quantises on it)
+        self.unloaded.difference_update(copied)
+        targets = self.target_map()
+        for canonical, tensor in copied.items():
+            live = targets[canonical][1]
             if tensor.device == live.device and tensor.dtype == live.dtype:
                 self._shadows[canonical] = tensor
+
+    def _swap_in(self, canonical: str, tensor: torch.Tensor, lease: Lease | None) -> None:
+        """Point the live tensor at `tensor`, or copy it in where the live tensor must keep its
+        address (_copies_in) (caller holds model_lock and _update_lock)."""
+        live = self.target_map()[canonical][1]
+        if self._copies_in(live, tensor, lease):
+            live.data.copy_(tensor)
+            self._copied_in({canonical: tensor})
             return
+        self.generation += 1  # contents change (quantized.py re-quantises on it)
         self.epoch += 1  # the live tensor moves: whoever holds its address must look again
         old, old_lease = live.data, self._live_leases.pop(canonical, None)
         live.data = tensor
@@ -211,7 +222,7 @@ class WeightReceiver:
         with self._both_locks() as busy:
             if busy:
                 return busy
-            targets = self._target_map()
+            targets = self.target_map()
             for name, t in state.items():
                 canonical, live = targets[name]
                 self._swap_in(canonical, t.to(live.dtype).contiguous(), None)
@@ -243,7 +254,7 @@ class WeightReceiver:
             if busy:
                 return busy
             shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
-            for name, (canonical, live) in self._target_map().items():
+            for name, (canonical, live) in self.target_map().items():
                 if name == canonical:
                     shapes[canonical] = (live.shape, live.dtype)
                     live.data = torch.empty(0, dtype=live.dtype, device=live.device)
@@ -251,7 +262,7 @@ class WeightReceiver:
                     if lease is not None:
                         lease.release()
             self._shadows.clear()
-            self._mapped.clear()  # the trainer's storages: its allocator may reuse them once unmapped
+            self.cuda.clear()  # the trainer's storages (its allocator may reuse them once unmapped), plans' shadows
             self.epoch += 1
             self.generation += 1
             return shapes
@@ -260,10 +271,9 @@ class WeightReceiver:
         """Give every dropped tensor uninitialised memory again; each stays in `unloaded`
         until an update (disk, tensor or distributed) fills it."""
         with self._update_lock, self.sched.model_lock:
-            targets = self._target_map()
-            for canonical, (shape, dtype) in shapes.items():
-                live = targets[canonical][1]
-                live.data = torch.empty(shape, dtype=dtype, device=live.device)
+            targets = self.target_map()
+            # back to back again, as at load (packing.py): commits stay a few span copies
+            allocate_packed([(targets[canonical][1], shape, dtype) for canonical, (shape, dtype) in shapes.items()])
             self.unloaded = set(shapes)
             self.epoch += 1
             self.generation += 1
@@ -304,7 +314,7 @@ class WeightReceiver:
         return status, f"{message}; the session will be discarded at /end_weight_update"
 
     # ---- staging ----
-    def _target_map(self) -> dict[str, tuple[str, torch.Tensor]]:
+    def target_map(self) -> dict[str, tuple[str, torch.Tensor]]:
         """Every state-dict name → (canonical name, live tensor); tied names share one."""
         if self._targets is None:
             first: dict[int, str] = {}
@@ -317,7 +327,7 @@ class WeightReceiver:
     def problems(self, specs: list[wire.Spec]) -> str | None:
         """Why `specs` do not fit the model (unknown name, other shape, a non-float into a
         float tensor), or None."""
-        targets, problems = self._target_map(), []
+        targets, problems = self.target_map(), []
         for s in specs:
             if s["name"] not in targets:
                 problems.append(f"unknown tensor {s['name']}")
@@ -335,19 +345,30 @@ class WeightReceiver:
 
     def stage(self, name: str, tensor: torch.Tensor, lease: Lease | None) -> None:
         """Stage `tensor` for `name` in the open session (replacing an earlier one)."""
-        canonical = self._target_map()[name][0]
+        self.stage_many([(name, tensor)], lease)
+
+    def stage_many(self, staged: list[tuple[str, torch.Tensor]], lease: Lease | None = None) -> None:
+        """stage(name, tensor, lease) for each pair, under one lock (a bucket's worth); a
+        `lease` holds one reference per pair, taken by the caller."""
+        targets = self.target_map()
         with self._lock:
             session = self._session
-        if session is None:
-            raise UpdateRejected("the session ended during the update")
-        previous = session.staged.get(canonical)
-        if previous is not None and previous[1] is not None:
-            previous[1].release()
-        session.staged[canonical] = (tensor, lease)
+            if session is None:
+                raise UpdateRejected("the session ended during the update")
+            for name, tensor in staged:
+                canonical = targets[name][0]
+                previous = session.staged.get(canonical)
+                if previous is not None and previous[1] is not None:
+                    previous[1].release()
+                session.staged[canonical] = (tensor, lease)
+
+    def shadow_of(self, name: str) -> torch.Tensor | None:
+        """The private shadow that `name` is staged into now, if any."""
+        return self._shadows.get(self.target_map()[name][0])
 
     def shadow(self, name: str) -> torch.Tensor:
         """A private staging tensor for `name` (allocated on first use), staged."""
-        canonical, live = self._target_map()[name]
+        canonical, live = self.target_map()[name]
         buf = self._shadows.get(canonical)
         if buf is None or buf.shape != live.shape or buf.dtype != live.dtype:
             buf = self._shadows[canonical] = torch.empty_like(live)
@@ -361,7 +382,7 @@ class WeightReceiver:
         from the second push on live weights and shadows alternate between two such
         buffers. None (receive as sent, copy after) if a dtype differs from the model's or
         a tensor comes twice."""
-        targets = self._target_map()
+        targets = self.target_map()
         named = [(s["name"], *targets[s["name"]]) for s in specs]
         if len({c for _, c, _ in named}) != len(named) or any(
                 wire.parse_dtype(s["dtype"]) != live.dtype for s, (_, _, live) in zip(specs, named)):
@@ -403,28 +424,8 @@ class WeightReceiver:
         """The staged shadows of `specs` (which fit the model), laid back to back where the
         dtypes allow (shadow_span), so wire.copy_bucket copies the bucket as one span."""
         if self.shadow_span(specs) is not None:
-            return [self._shadows[self._target_map()[s["name"]][0]] for s in specs]
+            return [self._shadows[self.target_map()[s["name"]][0]] for s in specs]
         return [self.shadow(s["name"]) for s in specs]
-
-    # ---- tensor transport, milepost's CUDA format: a trainer storage mapped once, copied into shadows ----
-    def load_cuda(self, descriptor: dict[str, Any]) -> str:
-        """Stage a bucket that lies in a trainer CUDA storage (cuda_buffers: mapped at its
-        first use and kept) by copying it into private shadows, as load_flat."""
-        specs = descriptor["tensors"]
-        problem = self.problems(specs)
-        if problem:
-            raise UpdateRejected(problem)
-        devices = {self._target_map()[s["name"]][1].device.type for s in specs}
-        if devices != {"cuda"} and specs:
-            raise UpdateRejected(f"milepost's CUDA format is for engines on a GPU and this engine's weights are on "
-                                 f"{', '.join(sorted(devices))}: send the shm format (its /server_info "
-                                 "tensor_formats lists what it reads)")
-        try:
-            storage = self._mapped.storage(descriptor)
-        except (pickle.UnpicklingError, RuntimeError) as exc:  # not visible here, or a stale handle
-            raise UpdateRejected(f"cannot map the trainer's CUDA storage: {exc}") from None
-        self._copy_staged(storage, specs)
-        return f"staged {len(specs)} tensors from a mapped trainer storage ({len(self._mapped)} mapped)"
 
     # ---- tensor transport: the trainer's shm bucket files, used in place ----
     def load_shm(self, descriptor: dict[str, Any]) -> str:
@@ -432,7 +433,7 @@ class WeightReceiver:
         problem = self.problems(specs)
         if problem:
             raise UpdateRejected(problem)
-        devices = {str(self._target_map()[s["name"]][1].device) for s in specs} - {"cpu"}
+        devices = {str(self.target_map()[s["name"]][1].device) for s in specs} - {"cpu"}
         if devices:  # served in place means host memory: the engine does not announce it there
             raise UpdateRejected(f"milepost's shm format serves host memory in place and this engine's weights are on "
                                  f"{', '.join(sorted(devices))}: send SGLang's format (its /server_info "
@@ -445,7 +446,7 @@ class WeightReceiver:
             if buf.numel() < descriptor["nbytes"]:
                 raise UpdateRejected(f"{descriptor['shm_name']} holds {buf.numel()} bytes, "
                                      f"descriptor says {descriptor['nbytes']}")
-            targets = self._target_map()
+            targets = self.target_map()
             for s in specs:
                 data, live = wire.view(buf, s["offset"], s), targets[s["name"]][1]
                 if data.dtype == live.dtype:

@@ -96,6 +96,8 @@ def load_tensor_payload(receiver: WeightReceiver, blob: Any) -> str:
     cuda_buffers.py) or milepost's shared-memory descriptor (served in place; wire.py)."""
     if not isinstance(blob, str):
         raise FieldError("`serialized_named_tensors` entries must be base64 strings")
+    if receiver.cuda.knows(blob):  # a CUDA descriptor read before (the same bucket, pushed again)
+        return receiver.cuda.load(blob)
     try:
         raw = base64.b64decode(blob, validate=True)
     except ValueError as exc:
@@ -104,7 +106,7 @@ def load_tensor_payload(receiver: WeightReceiver, blob: Any) -> str:
         return receiver.load_flat(*sglang_wire.decode(raw))
     body = _json_or_none(raw)
     if isinstance(body, dict) and body.get("format") == cuda_buffers.CUDA_FORMAT:
-        return receiver.load_cuda(cuda_buffers.decode_descriptor(body))
+        return receiver.cuda.load(blob, body)
     return receiver.load_shm(wire.decode_shm_descriptor(blob))  # says what is wrong with anything else
 
 

@@ -22,43 +22,15 @@ import torch
 import torch.distributed as dist
 
 from milepost.core.quant import fp8
-from milepost.core.weight_sync import cuda_buffers, groups, sglang_wire, wire
+from milepost.core.train.cuda_sender import CudaSender
+from milepost.core.weight_sync import groups, sglang_wire, wire
+from milepost.core.weight_sync.packing import pack_parameters
+
+__all__ = ["WeightSender", "pack_parameters", "source_names", "sweep_stale_buffers"]  # pack_parameters: packing
 
 SHM_PREFIX = "milepost-w-"
 MAX_FILES_PER_BUCKET = 4  # engines hold one set (served) and maybe one staged; more means a leak
 SPLIT_BYTES = 4 << 20  # tensors this big are cut into one piece per copy thread
-
-
-def pack_parameters(module: torch.nn.Module) -> int:
-    """Lay `module`'s parameters out back to back, one buffer per dtype and device, in state-dict order
-    (a tied parameter once, where it first appears), and point each at its place. Values,
-    Parameter objects and ties are unchanged. Why: a weight bucket is then one span of
-    memory, which the distributed transport broadcasts in a few large pieces with no copy
-    (wire.span). Call before building the optimizer or DDP. Returns the bytes moved."""
-    params: dict[int, torch.nn.Parameter] = {}
-    for t in module.state_dict(keep_vars=True).values():
-        if isinstance(t, torch.nn.Parameter) and t.is_contiguous():
-            params.setdefault(id(t), t)
-    moved = 0
-    for dtype, device in {(p.dtype, p.device) for p in params.values()}:
-        same = [p for p in params.values() if p.dtype == dtype and p.device == device]
-        buf, pos = torch.empty(sum(p.numel() for p in same), dtype=dtype, device=device), 0
-        for p in same:
-            n = p.numel()
-            buf[pos:pos + n].copy_(p.data.view(-1))
-            p.data = buf[pos:pos + n].view_as(p)
-            pos += n
-        moved += buf.numel() * buf.element_size()
-    return moved
-
-
-def packed_placement(pairs: list[tuple[wire.Spec, torch.Tensor]]) -> tuple[torch.Tensor, list[wire.Spec]] | None:
-    """Where a bucket lies in place (packed parameters, wire.span): (the flat span, each spec
-    with its byte offset in the span's storage), or None where its tensors are not back to back."""
-    flat = wire.span([t for _, t in pairs])
-    if flat is None:
-        return None
-    return flat, [{**spec, "offset": t.storage_offset() * t.element_size()} for spec, t in pairs]
 
 
 @dataclass
@@ -125,8 +97,7 @@ class WeightSender:
         self._copy_pool: ThreadPoolExecutor | None = None
         self._files: dict[int, list[BucketFile]] = {}
         self._sglang_buffers: dict[int, torch.Tensor] = {}  # bucket → shared buffer (SGLang's format)
-        self._cuda_buffers: dict[int, torch.Tensor] = {}  # bucket → CUDA buffer (milepost's CUDA format)
-        self._cuda_exports: dict[tuple[int, int, int], dict[str, Any]] = {}  # (storage, bytes, reader) → export
+        self.cuda = CudaSender()  # milepost's CUDA format: buffers, exports and plans
         self._groups: dict[str, tuple[Any, int, str]] = {}  # name → (group, streams, backend)
         self._flat: torch.Tensor | None = None
         self._swept = False
@@ -220,41 +191,19 @@ class WeightSender:
         return [sglang_wire.encode(flat[:total], specs) for _ in range(copies)]
 
     def to_cuda(self, names: list[str], bucket: int, readers: int = 1) -> list[str]:
-        """`names` as milepost's CUDA descriptors (cuda_buffers), one per receiving TP rank:
-        read in place where they lie back to back in one CUDA storage (packed parameters, no
-        copy), else copied into bucket `bucket`'s reused CUDA buffer. Each storage is exported
-        once per reader and kept (an engine maps each export once); the stream is synchronised
-        before returning, so the bytes are complete when an engine reads them."""
-        pairs = self._gather(names)
-        specs = [s for s, _ in pairs]
-        tensors = [t for _, t in pairs]
-        in_place = packed_placement(pairs) if tensors and tensors[0].is_cuda else None
-        if in_place is not None:
-            flat, placed = in_place
-        else:
-            offs, total = wire.offsets(specs)
-            device = tensors[0].device if tensors and tensors[0].is_cuda else torch.device("cuda")
-            kept = self._cuda_buffers.get(bucket)
-            if kept is None or kept.numel() < total or kept.device != device:
-                self._forget_exports(kept)
-                kept = self._cuda_buffers[bucket] = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
-            flat = kept
-            self._fill(flat, pairs, offs)
-            placed = [{**spec, "offset": o} for spec, o in zip(specs, offs)]
-        torch.cuda.current_stream(flat.device).synchronize()  # the engine reads on its own stream
-        storage = flat.untyped_storage()
-        return [cuda_buffers.encode_descriptor(self._export(storage, flat, r), placed) for r in range(readers)]
+        """`names` as milepost's CUDA descriptors, one per receiving TP rank (core/train/cuda_sender.py:
+        read in place where packed, else copied into bucket `bucket`'s reused CUDA buffer;
+        synchronised before returning)."""
+        live = self._live(names) if self.weight_format is None else None  # fp8: computed, planned each push
+        return self.cuda.send(names, bucket, readers, live, self._gather)
 
-    def _export(self, storage: torch.UntypedStorage, tensor: torch.Tensor, reader: int) -> dict[str, Any]:
-        key = (storage.data_ptr(), storage.nbytes(), reader)
-        if key not in self._cuda_exports:
-            self._cuda_exports[key] = cuda_buffers.export_storage(tensor)
-        return self._cuda_exports[key]
-
-    def _forget_exports(self, buffer: torch.Tensor | None) -> None:
-        if buffer is not None:
-            ptr = buffer.untyped_storage().data_ptr()
-            self._cuda_exports = {k: v for k, v in self._cuda_exports.items() if k[0] != ptr}
+    def _live(self, names: list[str]) -> list[torch.Tensor]:
+        """The module's tensors of `names`, as they are (no detach: read, or copied under no_grad)."""
+        tensors = self.module.state_dict(keep_vars=True)
+        try:
+            return [tensors[n] for n in names]
+        except KeyError as exc:
+            raise KeyError(f"the trainer's model has no tensor {exc.args[0]!r}") from None
 
     def _fill(self, flat: torch.Tensor, pairs: list[tuple[wire.Spec, torch.Tensor]], offs: list[int]) -> None:
         """A bucket's tensors into `flat` at `offs` (back to back from 0): on a GPU with every
@@ -332,8 +281,7 @@ class WeightSender:
         """Unlink every file (engines keep the memory they map until they swap it out) and
         drop the shared buffers of SGLang's format."""
         self._sglang_buffers.clear()
-        self._cuda_buffers.clear()
-        self._cuda_exports.clear()
+        self.cuda.release()
         for files in self._files.values():
             for f in files:
                 os.close(f.fd)

@@ -24,7 +24,7 @@ Ordering rules, beside the code that keeps them:
   IPC event is waited on only at the first mapping.
 - The trainer does not rewrite a storage while an engine reads it: an engine answers
   /update_weights_from_tensor only after its copy out of the mapping has finished
-  (`WeightReceiver.load_cuda` synchronises), and the transport sends a bucket's next
+  (`core/engine/cuda_staging.py` synchronises), and the transport sends a bucket's next
   contents only in a later push.
 - One export per (storage, reader), kept for the storage's life (`WeightSender.to_cuda`):
   torch counts an export's readers by a shared counter that a mapping gives back when it is

@@ -225,19 +225,36 @@ def copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
 
 
 def copy_bucket(targets: list[torch.Tensor], flat: torch.Tensor, specs: list[Spec]) -> None:
-    """targets[i] <- the tensor `specs[i]` at its byte `offset` of the uint8 buffer `flat`.
-    One copy of the whole span when the targets lie back to back in one storage and the
-    specs back to back in `flat`, all of one dtype (the engine's shadows after shadow_span:
-    measured on the H200, one multi-tensor copy of a 201-tensor 1 GB bucket took ~5 ms, one
-    copy of its span ~0.6 ms); else copy_all."""
-    into = span(targets)
-    offs = [int(x["offset"]) for x in specs]
-    sizes = [spec_nbytes(x) for x in specs]
-    if (into is not None and specs and all(offs[i] + sizes[i] == offs[i + 1] for i in range(len(specs) - 1))
-            and all(parse_dtype(x["dtype"]) == into.dtype for x in specs)):
-        into.view(torch.uint8).copy_(flat[offs[0]:offs[0] + sum(sizes)])
-        return
-    copy_all(targets, [view(flat, o, x) for o, x in zip(offs, specs)])
+    """targets[i] <- the tensor `specs[i]` at its byte `offset` of the uint8 buffer `flat`
+    (BucketCopy, planned for this one copy)."""
+    BucketCopy(targets, specs).run(flat)
+
+
+class BucketCopy:
+    """A planned copy of a bucket out of a flat uint8 buffer into `targets`: one copy of the
+    whole span when the targets lie back to back in one storage and the specs back to back in
+    the buffer, all of one dtype (the engine's shadows after shadow_span: measured on the
+    H200, one multi-tensor copy of a 201-tensor 1 GB bucket took ~5 ms, one copy of its span
+    ~0.6 ms); else copy_all. Planning costs Python per tensor; `run` does not, on the span
+    path, so a caller that copies the same bucket layout each push plans once
+    (core/engine/cuda_staging.py)."""
+
+    def __init__(self, targets: list[torch.Tensor], specs: list[Spec]) -> None:
+        self.targets, self.specs = targets, specs
+        into = span(targets)
+        offs = [int(x["offset"]) for x in specs]
+        sizes = [spec_nbytes(x) for x in specs]
+        self.span: tuple[torch.Tensor, int, int] | None = None  # (into as bytes, start, end in the buffer)
+        if (into is not None and specs and all(offs[i] + sizes[i] == offs[i + 1] for i in range(len(specs) - 1))
+                and all(parse_dtype(x["dtype"]) == into.dtype for x in specs)):
+            self.span = (into.view(torch.uint8), offs[0], offs[0] + sum(sizes))
+
+    def run(self, flat: torch.Tensor) -> None:
+        if self.span is not None:
+            into, start, end = self.span
+            into.copy_(flat[start:end])
+            return
+        copy_all(self.targets, [view(flat, int(x["offset"]), x) for x in self.specs])
 
 
 _WIDE = (torch.int64, torch.int32, torch.int16)  # 8-, 4- and 2-byte elements, widest first

@@ -70,7 +70,7 @@ def test_a_push_by_cuda_storages_serves_what_a_disk_load_serves(served, packed) 
             assert transport._format == "cuda" and metrics["sync/attempts"] == 1
             assert client.model_info()["weight_version"] == version
             assert _outputs(client) == want
-        buffers = source.rank._weight_sender()._cuda_buffers
+        buffers = source.rank._weight_sender().cuda.buffers
         assert (len(buffers) == 0) == packed  # packed: no staging copy on the trainer
     finally:
         transport.close()
@@ -84,15 +84,18 @@ def test_each_trainer_storage_is_mapped_once_and_dropped_on_memory_release(serve
     (bucket,) = sender.buckets(1 << 40)  # bf16 only: one bucket
     names = [s["name"] for s in bucket]
 
-    def push(version: str) -> int:
+    def push(version: str) -> tuple[int, str]:
         client.begin_weight_update()
         reply = client.update_weights_from_tensor(sender.to_cuda(names, 0), weight_version=version)
         client.end_weight_update()
-        return int(re.search(r"\((\d+) mapped\)", reply["message"]).group(1))
+        found = re.search(r"\((\d+) mapped; copied as one span; (plan reused|planned)\)", reply["message"])
+        assert found, reply["message"]
+        return int(found.group(1)), found.group(2)
 
-    first = push("m1")  # earlier tests' trainer storages may still be mapped
-    assert push("m2") == first  # the second push found its mapping
+    first, how = push("m1")  # earlier tests' trainer storages may still be mapped
+    assert how == "planned"
+    assert push("m2") == (first, "plan reused")  # the second push found its mapping and its plan
     client.release_memory_occupation()
     client.resume_memory_occupation()
-    assert push("m3") == 1  # the release dropped every mapping; this push mapped its one storage
+    assert push("m3") == (1, "planned")  # the release dropped every mapping and plan; this push mapped its one storage
     sender.release()
