@@ -4,8 +4,9 @@
 # CALL_LIMIT_S (default 575) bounds a call.
 #   source bench/device_calls.sh arith     gpu-arith end to end (build, 2 blocks, a kill and resume)
 #   source bench/device_calls.sh figures   training: bf16 and fp8 side by side (env: FP8_RECIPES, FP8_LR_ALSO, FP8_GPU_TESTS, IPC_3GB)
-#   source bench/device_calls.sh sync      rollout precision, GPU weight sync, the CUDA-IPC push mechanism (on a two-GPU kind, e.g.
-#                                          nvidia-h100-x2, also NCCL to an engine on the second GPU)
+#   source bench/device_calls.sh sync      the CUDA-format GPU tests, the CUDA-IPC push mechanism, GPU weight sync over HTTP
+#                                          (on a two-GPU kind, e.g. nvidia-h100-x2, also NCCL to an engine on the second GPU);
+#                                          SYNC_ROLLOUT=1: rollout precision too
 #   source bench/device_calls.sh tests     the GPU tests, warm-start speed
 # Everything a call writes comes back in $OUT/results.tgz (and $OUT/steps.txt).
 call=${1:?arith, figures, sync or tests}
@@ -49,13 +50,17 @@ elif [ "$call" = figures ]; then
   [ -n "${IPC_3GB:-}" ] && step cuda_ipc_sync_3gb 80 python3 bench/cuda_ipc_sync.py --params-gb 3.4 --bucket-mb 1024 \
       --pushes 6 --out "$OUT/cuda_ipc_sync_3gb.txt"
 elif [ "$call" = sync ]; then
-  step rollout_precision 90 python3 bench/rollout_precision.py
-  cp bench/results/rollout_precision_gpu.* "$OUT/" 2>/dev/null
-  step gpu_weight_sync 100 python3 bench/gpu_weight_sync.py --out "$OUT/gpu_weight_sync.txt"
-  # the mechanism alone (no HTTP) at the 0.5 B and the 1.7 B shapes: its fixed per-push cost against bytes
-  step cuda_ipc_sync 60 python3 bench/cuda_ipc_sync.py --pushes 6 --out "$OUT/cuda_ipc_sync.txt"
+  # the CUDA format's kept plans, the engine's packed weights and its memory release, first (correctness)
+  step gpu_sync_tests 120 python3 -m pytest -q -m gpu tests/gpu/test_cuda_buffers_gpu.py tests/gpu/test_engine_gpu.py -s
+  # the mechanism without HTTP at the 1.7 B and the 0.5 B shapes (the figure: the 1.7 B one)
   step cuda_ipc_sync_3gb 80 python3 bench/cuda_ipc_sync.py --params-gb 3.4 --bucket-mb 1024 --pushes 6 \
       --out "$OUT/cuda_ipc_sync_3gb.txt"
+  step cuda_ipc_sync 60 python3 bench/cuda_ipc_sync.py --pushes 6 --out "$OUT/cuda_ipc_sync.txt"
+  step gpu_weight_sync 100 python3 bench/gpu_weight_sync.py --out "$OUT/gpu_weight_sync.txt"
+  if [ -n "${SYNC_ROLLOUT:-}" ]; then
+    step rollout_precision 90 python3 bench/rollout_precision.py
+    cp bench/results/rollout_precision_gpu.* "$OUT/" 2>/dev/null
+  fi
 else
   step gpu_tests 150 python3 -m pytest -q -m gpu tests/gpu/test_fp8_linear_gpu.py tests/gpu/test_engine_gpu.py \
       tests/gpu/test_packed_attention_gpu.py \

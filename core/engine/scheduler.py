@@ -88,7 +88,10 @@ class Scheduler:
         self.model = load_model(self.model_path, device, dtype, self.quantization, lambda: self.receiver.generation)
         if device.type == "cuda" and self.quantization is None:
             # back to back, before the fast path fuses projections and captures graphs over them:
-            # a pushed update is then committed in a few span copies (packing.py)
+            # a pushed update is then committed in a few span copies (packing.py). Where q/k/v
+            # are not adjacent in the state dict (Qwen2's biases lie between them), the fusion
+            # moves them to a buffer of their own and their packed copy stays unused: ~5 % of
+            # Qwen2-0.5B's weight memory, none for Qwen3 or Llama layouts.
             pack_parameters(self.model)
         self.tokenizer = load_tokenizer(self.model_path)
         cfg: Any = self.model.config  # a transformers PretrainedConfig
