@@ -85,14 +85,23 @@ class CudaSender:
             pairs = gather(names)
             tensors, plan = [t for _, t in pairs], self._plan(names, bucket, pairs)
         if not plan.in_place:
-            with torch.no_grad():  # kept vars may require grad, and cat(out=) records no graph
-                wire.pack_into(plan.flat, tensors)
+            self._fill(plan, tensors)
         torch.cuda.current_stream(plan.flat.device).synchronize()  # the engine reads on its own stream
         if readers not in plan.descriptors:
             storage = plan.flat.untyped_storage()
             plan.descriptors[readers] = [cuda_buffers.encode_descriptor(self._export(storage, plan.flat, r),
                                                                         plan.placed) for r in range(readers)]
         return plan.descriptors[readers]
+
+    @staticmethod
+    def _fill(plan: CudaBucketPlan, tensors: list[torch.Tensor]) -> None:
+        """The bucket's tensors into its buffer: one concatenation where all are on the buffer's
+        device (wire.pack_into), else one multi-tensor copy (host tensors, another GPU)."""
+        with torch.no_grad():  # kept vars may require grad, and cat(out=) records no graph
+            if all(t.device == plan.flat.device for t in tensors):
+                wire.pack_into(plan.flat, tensors)
+            else:
+                wire.copy_all([wire.view(plan.flat, s["offset"], s) for s in plan.placed], tensors)
 
     def _plan(self, names: list[str], bucket: int, pairs: list[tuple[wire.Spec, torch.Tensor]]) -> CudaBucketPlan:
         """Where a bucket's tensors are read from: in place (packed_placement), else bucket
