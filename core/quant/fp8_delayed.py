@@ -16,8 +16,10 @@ Rules, and the code that keeps them:
   current scaling does (a zero or arbitrary start would clip or waste range on the first step).
 - A value above the scale's amax saturates at the format's largest value: the clamp is part of
   every delayed cast, where current scaling could not overflow.
-- Histories live in memory only: a resumed run starts them again from its first micro-batch, so
-  its fp8 numerics are not bit-identical to an uninterrupted run's (its data are the same).
+- Histories are part of the train state: the megatron worker writes them with each checkpoint
+  (`fp8_rank<r>.pt`, core/train/megatron/fp8.py `amax_histories`) and puts them back on a resume,
+  so a resumed run casts, and trains, bit for bit as the run that went on. A checkpoint without
+  them (written by current scaling, or by another tensor-parallel layout) starts them again.
 """
 
 from __future__ import annotations
@@ -88,6 +90,20 @@ class AmaxHistory:
             history[0] = tensor_amax(x).float()
             self.records[role] = history
         return history
+
+    def state(self) -> dict[str, Tensor]:
+        """The records, by operand, copied to the CPU (for a checkpoint)."""
+        return {role: t.detach().cpu().clone() for role, t in self.records.items()}
+
+    def load_state(self, state: dict[str, Tensor], device: torch.device) -> None:
+        """Records saved by `state()`, on `device`; ValueError when their length is not this history's."""
+        records: dict[Role, Tensor] = {}
+        for role, t in state.items():
+            if role not in ("x", "g") or t.shape != (self.length,):
+                raise ValueError(f"amax records {role!r} of shape {tuple(t.shape)} do not fit a history of "
+                                 f"{self.length}")
+            records["x" if role == "x" else "g"] = t.to(device=device, dtype=torch.float32)
+        self.records = records
 
     def caster(self, role: Role) -> Callable[..., tuple[Tensor, ...]]:
         """A cast with `fp8_cast.cast`'s signature that scales `role`'s operand from these

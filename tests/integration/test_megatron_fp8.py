@@ -71,3 +71,34 @@ def test_fp8_at_tp2_follows_fp8_at_tp1(curves) -> None:
     # all-reduce (in fp8_linear's backward) change the roundings a little, not the curve
     assert max_rel_gap(curves["fp8_tp2"], curves["fp8"]) < MAX_REL_GAP
     assert max_rel_gap(curves["fp8_tp2"], curves["bf16"]) < MAX_REL_GAP
+
+
+def test_a_resumed_delayed_scaling_run_matches_the_uninterrupted_one_bit_for_bit(ray_cluster, tmp_path) -> None:
+    """Delayed scaling (train.megatron.fp8_recipe tensorwise-fast-delayed) scales each cast
+    from the layer's last amaxes: a checkpoint holds those records (fp8_rank<r>.pt), so a run
+    resumed from it casts, and trains, exactly as the run that went on."""
+    path = save_tiny_qwen2(tmp_path / "model", seed=0, vocab=VOCAB, tie_embeddings=True)
+    cfg = TrainConfig(backend="megatron", num_ranks=1, micro_batch_size=3, lr=LR,
+                      megatron={"micro_batch_tokens": 40, "fp8_recipe": "tensorwise-fast-delayed"})
+
+    def backend():
+        return create_backend(path, cfg, AlgoConfig(tis_cap=None), temperature=1.0, seed=7, total_steps=4,
+                              precision="fp8")
+
+    on = backend()
+    try:
+        for i in range(2):
+            on.train_step(BATCHES[i], step=i + 1)
+        on.save_state(str(tmp_path / "ckpt"))
+        went_on = [on.train_step(BATCHES[i], step=i + 1)["train/engine_logprob_diff_mean"] for i in (2, 3)]
+        want = on.weights_sha256()
+    finally:
+        on.shutdown()
+    resumed = backend()
+    try:
+        resumed.load_state(str(tmp_path / "ckpt"))
+        after = [resumed.train_step(BATCHES[i], step=i + 1)["train/engine_logprob_diff_mean"] for i in (2, 3)]
+        assert after == went_on
+        assert resumed.weights_sha256() == want
+    finally:
+        resumed.shutdown()

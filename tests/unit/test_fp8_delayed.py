@@ -88,3 +88,20 @@ def test_delayed_scaling_is_refused_where_it_cannot_work() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         AmaxHistory(0)
     assert "delayed scaling (amax history 4)" in DELAYED.describe()
+
+
+def test_a_history_saved_and_loaded_casts_as_the_one_that_went_on() -> None:
+    """The records are train state (the megatron worker checkpoints them): a loaded copy scales
+    the next cast exactly as the original does; records of another length are refused."""
+    torch.manual_seed(0)
+    went_on = AmaxHistory(4)
+    for scale in (1.0, 3.0):
+        went_on.caster("x")(torch.randn(8, 16) * scale, E4M3, None, Fp8Recipe("tensorwise", amax_history=4))
+    loaded = AmaxHistory(4)
+    loaded.load_state(went_on.state(), torch.device("cpu"))
+    x, recipe = torch.randn(8, 16), Fp8Recipe("tensorwise", amax_history=4)
+    for a, b in zip(went_on.caster("x")(x, E4M3, None, recipe), loaded.caster("x")(x, E4M3, None, recipe)):
+        assert torch.equal(a.float(), b.float())
+    assert torch.equal(went_on.records["x"], loaded.records["x"])
+    with pytest.raises(ValueError, match="do not fit a history of 8"):
+        AmaxHistory(8).load_state(went_on.state(), torch.device("cpu"))

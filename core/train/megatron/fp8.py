@@ -97,7 +97,37 @@ def attach_fp8(chunks: list[Any], recipe: Fp8Recipe) -> Fp8Layers:
                 continue
             module.__class__ = classes[type(module)]
             module.fp8_recipe = recipe
-            # delayed scaling: each layer its own amax records (not in the state dict: see fp8_delayed)
+            # delayed scaling: each layer its own amax records (checkpointed apart: amax_histories)
             module.fp8_history = AmaxHistory(recipe.amax_history) if recipe.amax_history else None
             done.fp8.append(label)
     return done
+
+
+def _fp8_layers(chunks: list[Any]) -> list[tuple[str, Any]]:
+    """(name as attach_fp8 labels it, layer) of every layer in fp8."""
+    classes = set(fp8_classes().values())
+    return [(f"chunk{i}.{name}" if len(chunks) > 1 else name, module)
+            for i, chunk in enumerate(chunks) for name, module in chunk.named_modules() if type(module) in classes]
+
+
+def amax_histories(chunks: list[Any]) -> dict[str, dict[str, torch.Tensor]]:
+    """Delayed scaling's amax records of every fp8 layer that has them, by layer name, on the
+    CPU: this rank's share of the train state (the worker saves it with each checkpoint)."""
+    return {name: layer.fp8_history.state() for name, layer in _fp8_layers(chunks)
+            if getattr(layer, "fp8_history", None) is not None and layer.fp8_history.records}
+
+
+def restore_amax_histories(chunks: list[Any], saved: dict[str, dict[str, torch.Tensor]]) -> str | None:
+    """Put `amax_histories`' records back into the same layers; None when done, else why they
+    cannot be (then every history starts again, as at a fresh start)."""
+    layers = {name: layer for name, layer in _fp8_layers(chunks) if getattr(layer, "fp8_history", None) is not None}
+    if set(saved) - set(layers):
+        return f"the checkpoint has amax records of {len(set(saved) - set(layers))} layer(s) this model has not in fp8"
+    try:
+        for name, state in saved.items():
+            layers[name].fp8_history.load_state(state, layers[name].weight.device)
+    except ValueError as exc:
+        for layer in layers.values():
+            layer.fp8_history.records = {}
+        return str(exc)
+    return None

@@ -465,6 +465,7 @@ class MegatronRankWorker(SenderRank):
             dist_checkpointing.save(self._sharded_state_dict(), str(folder))
         rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
         torch.save(rng, Path(path) / f"rng_rank{self.rank}.pt")
+        self._save_amax_histories(path)
         if self.rank == 0:
             Path(path, "scheduler.json").write_text(json.dumps({"sched_step": self.sched_step}))
         dist.barrier()
@@ -480,12 +481,32 @@ class MegatronRankWorker(SenderRank):
         if self.device.type == "cuda":  # the loaded param groups carry the writer's kernel choice
             use_fused_adam(self.optimizer)
         self.sched_step = json.loads(Path(path, "scheduler.json").read_text())["sched_step"]
+        self._load_amax_histories(path)
         rng = Path(path) / f"rng_rank{self.rank}.pt"
         if rng.exists():  # absent when resuming at another world size
             s = torch.load(rng, weights_only=False)
             random.setstate(s["python"])
             np.random.set_state(s["numpy"])
             torch.set_rng_state(s["torch"])
+
+    def _save_amax_histories(self, path: str) -> None:
+        """fp8 delayed scaling: this rank's amax records, part of the train state (fp8_delayed)."""
+        if self.precision == "fp8" and self.fp8_recipe.amax_history:
+            from milepost.core.train.megatron.fp8 import amax_histories
+            torch.save(amax_histories([c.module for c in self.model]), Path(path) / f"fp8_rank{self.rank}.pt")
+
+    def _load_amax_histories(self, path: str) -> None:
+        """Put this rank's amax records back; a checkpoint without them (current scaling wrote it,
+        or another tensor-parallel layout) starts them again, said once in the log."""
+        if self.precision != "fp8" or not self.fp8_recipe.amax_history:
+            return
+        from milepost.core.train.megatron.fp8 import restore_amax_histories
+        saved = Path(path) / f"fp8_rank{self.rank}.pt"
+        why = (restore_amax_histories([c.module for c in self.model], torch.load(saved, weights_only=True))
+               if saved.exists() else f"{saved.name} is not in the checkpoint")
+        if why is not None and self.rank == 0:
+            log.warning("fp8 delayed scaling: amax histories start again (%s): the first steps after this resume "
+                        "scale as at a fresh start", why)
 
     def _load_lora(self, path: str) -> None:
         from milepost.core.train.megatron import lora
