@@ -24,7 +24,6 @@ from milepost.core.engine.memory import MemoryOccupation
 from milepost.core.engine.quantized import load_model
 from milepost.core.engine.weight_receiver import WeightReceiver
 from milepost.core.model.moe_routing import RouterTap
-from milepost.core.weight_sync.packing import pack_parameters
 
 log = logging.getLogger("milepost.engine")
 
@@ -86,13 +85,6 @@ class Scheduler:
         device = serving_device(self.device)
         dtype = model_dtype(self.dtype, device, self.model_path)
         self.model = load_model(self.model_path, device, dtype, self.quantization, lambda: self.receiver.generation)
-        if device.type == "cuda" and self.quantization is None:
-            # back to back, before the fast path fuses projections and captures graphs over them:
-            # a pushed update is then committed in a few span copies (packing.py). Where q/k/v
-            # are not adjacent in the state dict (Qwen2's biases lie between them), the fusion
-            # moves them to a buffer of their own and their packed copy stays unused: ~5 % of
-            # Qwen2-0.5B's weight memory, none for Qwen3 or Llama layouts.
-            pack_parameters(self.model)
         self.tokenizer = load_tokenizer(self.model_path)
         cfg: Any = self.model.config  # a transformers PretrainedConfig
         gen_cfg = getattr(self.model, "generation_config", None)

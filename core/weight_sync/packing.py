@@ -14,21 +14,23 @@ import torch
 from milepost.core.weight_sync import wire
 
 
-def pack_parameters(module: torch.nn.Module) -> int:
+def pack_parameters(module: torch.nn.Module, device: torch.device | None = None) -> int:
     """Lay `module`'s parameters out back to back, one buffer per dtype and device, in state-dict order
     (a tied parameter once, where it first appears), and point each at its place. Values,
     Parameter objects and ties are unchanged. Why: a weight bucket is then one span of
     memory, which the transports send in a few large pieces with no copy (wire.span). Call
-    before building the optimizer or DDP (they hold the old storages otherwise). Returns the
-    bytes moved."""
+    before building the optimizer or DDP (they hold the old storages otherwise). `device`:
+    the buffers' device, the parameters moved there as they are packed (from host memory, the
+    device holds one copy of the weights at any time, not two). Returns the bytes moved."""
     params: dict[int, torch.nn.Parameter] = {}
     for t in module.state_dict(keep_vars=True).values():
         if isinstance(t, torch.nn.Parameter) and t.is_contiguous():
             params.setdefault(id(t), t)
     moved = 0
-    for dtype, device in {(p.dtype, p.device) for p in params.values()}:
-        same = [p for p in params.values() if p.dtype == dtype and p.device == device]
-        buf, pos = torch.empty(sum(p.numel() for p in same), dtype=dtype, device=device), 0
+    for dtype, from_device in {(p.dtype, p.device) for p in params.values()}:
+        same = [p for p in params.values() if p.dtype == dtype and p.device == from_device]
+        size = sum(p.numel() for p in same)
+        buf, pos = torch.empty(size, dtype=dtype, device=device or from_device), 0
         for p in same:
             n = p.numel()
             buf[pos:pos + n].copy_(p.data.view(-1))
