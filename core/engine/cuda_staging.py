@@ -16,8 +16,8 @@ Rules, beside the code that keeps them:
   payload string and the same model (its tensors' names and shapes do not change).
 - `clear()` on a memory release: plans hold shadows (GPU memory) and the mappings hold the
   trainer's storages.
-- MAX_PLANS payloads are kept, the oldest dropped (a trainer sends a few buckets per push;
-  more means its layout changed, and old plans are dead weight).
+- A new plan drops every plan whose shadows are no longer the receiver's: they would keep the
+  replaced shadows' memory alive. At most MAX_PLANS payloads are kept, the oldest dropped.
 """
 
 from __future__ import annotations
@@ -50,8 +50,10 @@ class CudaStaging:
     """Reads milepost's CUDA payloads for one WeightReceiver (whose update lock serialises
     the callers: not thread-safe by itself)."""
 
-    def __init__(self, receiver: WeightReceiver) -> None:
-        self.receiver = receiver
+    def __init__(self, receiver: WeightReceiver, device_type: str = "cuda") -> None:
+        """`device_type`: where the engine's weights must be (tests/unit/test_cuda_staging.py
+        runs this class on CPU weights, with the trainer's storages mapped by hand)."""
+        self.receiver, self.device_type = receiver, device_type
         self.mapped = cuda_buffers.MappedStorages()
         self._plans: OrderedDict[str, _Plan] = OrderedDict()
 
@@ -73,6 +75,9 @@ class CudaStaging:
             if body is None:
                 body = json.loads(base64.b64decode(payload, validate=True))
             plan = self._plan(cuda_buffers.decode_descriptor(body) if plan is None else plan.descriptor)
+            # planning may have re-laid shadows that older plans hold: those would keep the old
+            # shadows' GPU memory alive until dropped
+            self._plans = OrderedDict((k, p) for k, p in self._plans.items() if k != payload and self._valid(p))
             self._plans[payload] = plan
             while len(self._plans) > MAX_PLANS:
                 self._plans.popitem(last=False)
@@ -82,7 +87,8 @@ class CudaStaging:
             from milepost.core.engine.weight_receiver import UpdateRejected
             raise UpdateRejected(f"cannot map the trainer's CUDA storage: {exc}") from None
         plan.copy.run(storage)
-        torch.cuda.current_stream(storage.device).synchronize()  # the trainer may rewrite it once we answer
+        if storage.is_cuda:  # the trainer may rewrite it once we answer: the copy must be done
+            torch.cuda.current_stream(storage.device).synchronize()
         return (f"staged {len(plan.staged)} tensors from a mapped trainer storage "
                 f"({len(self.mapped)} mapped; copied {'as one span' if plan.copy.span else 'tensor by tensor'}; "
                 f"{'plan reused' if reused else 'planned'})")
@@ -96,7 +102,7 @@ class CudaStaging:
             raise UpdateRejected(problem)
         targets = receiver.target_map()
         devices = {targets[s["name"]][1].device.type for s in specs}
-        if devices != {"cuda"} and specs:
+        if devices != {self.device_type} and specs:
             raise UpdateRejected(f"milepost's CUDA format is for engines on a GPU and this engine's weights are on "
                                  f"{', '.join(sorted(devices))}: send the shm format (its /server_info "
                                  "tensor_formats lists what it reads)")

@@ -1,0 +1,135 @@
+"""The engine's reading of milepost's CUDA payloads (core/engine/cuda_staging.py) on CPU: a
+real WeightReceiver session and the real route function, with the trainer's storage "mapped"
+by hand (CUDA IPC needs a GPU: tests/gpu/test_cuda_buffers_gpu.py maps real ones). What runs
+here is what the cache decides: a payload read once, its plan reused while its shadows stand,
+made again when they moved, dropped when stale or on a memory release."""
+
+from __future__ import annotations
+
+import base64
+import threading
+from types import SimpleNamespace
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from milepost.core.engine.cuda_staging import CudaStaging
+from milepost.core.engine.weight_receiver import WeightReceiver
+from milepost.core.engine.weight_routes import load_tensor_payload
+from milepost.core.train.weight_sender import WeightSender
+from milepost.core.weight_sync import cuda_buffers, wire
+
+
+def _model(seed: int) -> Qwen2ForCausalLM:
+    cfg = Qwen2Config(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+class HandMapped:
+    """Stands in for MappedStorages where no GPU can map: a storage by its export's handle."""
+
+    def __init__(self) -> None:
+        self.storages: dict[bytes, torch.Tensor] = {}
+
+    def storage(self, descriptor: dict) -> torch.Tensor:
+        return self.storages[descriptor["storage"]["handle"]]
+
+    def clear(self) -> int:
+        return 0
+
+    def __len__(self) -> int:
+        return len(self.storages)
+
+
+def _receiver(model: torch.nn.Module) -> tuple[WeightReceiver, HandMapped]:
+    sched = SimpleNamespace(model=model, model_lock=threading.Lock(), weight_version="0", num_running=lambda: 0,
+                            memory=SimpleNamespace(update_problem=lambda: None))
+    receiver = WeightReceiver(sched, timeout_s=30)
+    receiver.cuda = CudaStaging(receiver, device_type="cpu")
+    mapped = HandMapped()
+    receiver.cuda.mapped = mapped  # type: ignore[assignment]
+    return receiver, mapped
+
+
+def _payloads(trainer: torch.nn.Module, mapped: HandMapped, bucket_bytes: int, handle: bytes) -> list[str]:
+    """The trainer's weights in one flat storage per push (a bucket buffer), described as
+    WeightSender.to_cuda describes them: one descriptor per bucket."""
+    sender = WeightSender(trainer)
+    buckets = sender.buckets(bucket_bytes)
+    specs = [s for b in buckets for s in b]
+    offsets, total = wire.offsets(specs)
+    flat = torch.empty(total, dtype=torch.uint8)
+    named = dict(sender.named_tensors())
+    for spec, offset in zip(specs, offsets):
+        wire.view(flat, offset, spec).copy_(named[spec["name"]])
+    mapped.storages[handle] = flat
+    export = {"device": "GPU-test", "handle": base64.b64encode(handle).decode(), "size_bytes": total,
+              "offset_bytes": 0, "ref_counter_handle": base64.b64encode(b"rc").decode(), "ref_counter_offset": 0,
+              "event_handle": None, "event_sync_required": False}
+    at = dict(zip((s["name"] for s in specs), offsets))
+    return [cuda_buffers.encode_descriptor(export, [{**s, "offset": at[s["name"]]} for s in bucket])
+            for bucket in buckets]
+
+
+def _load(receiver: WeightReceiver, payloads: list[str]) -> list[str]:
+    replies = []
+    for payload in payloads:
+        status, text = receiver.run_update(lambda p=payload: load_tensor_payload(receiver, p), False, None)
+        assert status == 200, text
+        replies.append(text)
+    return replies
+
+
+def _push(receiver: WeightReceiver, payloads: list[str], version: str) -> list[str]:
+    assert receiver.begin("")[0] == 200
+    replies = _load(receiver, payloads)
+    receiver.stage_version(version)
+    assert receiver.end()[0] == 200
+    return replies
+
+
+def test_a_payload_is_planned_once_and_reused_while_its_shadows_stand() -> None:
+    engine, trainer = _model(0), _model(1)
+    receiver, mapped = _receiver(engine)
+    payloads = _payloads(trainer, mapped, 4096, b"bucket-buffer")
+    assert len(payloads) > 2
+    assert receiver.begin("")[0] == 200
+    assert all(r.endswith("planned)") for r in _load(receiver, payloads))
+    assert all(receiver.cuda.knows(p) for p in payloads)
+    assert receiver.end(abort=True)[0] == 200  # the shadows stay the receiver's
+    replies = _push(receiver, payloads, "1")
+    assert all("copied as one span; plan reused" in r for r in replies)
+    assert all(torch.equal(a, b) for a, b in zip(engine.state_dict().values(), trainer.state_dict().values()))
+    assert receiver.sched.weight_version == "1"
+
+
+def test_after_a_swapping_commit_the_plans_are_made_again_and_serve_the_new_bytes() -> None:
+    """On CPU a commit swaps the shadows in (on a GPU it copies them in, and plans stand): the
+    plans then name tensors that are live, so the next push plans again."""
+    engine, trainer = _model(0), _model(1)
+    receiver, mapped = _receiver(engine)
+    payloads = _payloads(trainer, mapped, 4096, b"bucket-buffer")
+    _push(receiver, payloads, "1")
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.mul_(-1)
+    again = _payloads(trainer, mapped, 4096, b"bucket-buffer")  # the same buffer rewritten: the same strings
+    assert again == payloads
+    assert all(r.endswith("planned)") for r in _push(receiver, again, "2"))
+    assert all(torch.equal(a, b) for a, b in zip(engine.state_dict().values(), trainer.state_dict().values()))
+
+
+def test_a_new_layout_drops_the_plans_it_made_stale_and_a_memory_release_drops_all() -> None:
+    engine, trainer = _model(0), _model(1)
+    receiver, mapped = _receiver(engine)
+    small = _payloads(trainer, mapped, 4096, b"small-buckets")
+    assert receiver.begin("")[0] == 200
+    _load(receiver, small)
+    whole = _payloads(trainer, mapped, 1 << 30, b"one-bucket")  # every tensor in one bucket: shadows re-laid
+    _load(receiver, whole)
+    assert receiver.cuda.knows(whole[0]) and not any(receiver.cuda.knows(p) for p in small)
+    assert receiver.end(abort=True)[0] == 200
+    assert not isinstance(receiver.drop_weights(), str)
+    assert not receiver.cuda.knows(whole[0])
