@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from milepost.core.engine.staging import UpdateRejected
 from milepost.core.weight_sync import cuda_buffers, wire
 
 if TYPE_CHECKING:  # types only: the receiver owns this
@@ -84,7 +85,6 @@ class CudaStaging:
         try:
             storage = self.mapped.storage(plan.descriptor)
         except (pickle.UnpicklingError, RuntimeError) as exc:  # not visible here, or a stale handle
-            from milepost.core.engine.weight_receiver import UpdateRejected
             raise UpdateRejected(f"cannot map the trainer's CUDA storage: {exc}") from None
         plan.copy.run(storage)
         if storage.is_cuda:  # the trainer may rewrite it once we answer: the copy must be done
@@ -95,7 +95,6 @@ class CudaStaging:
 
     def _plan(self, descriptor: dict[str, Any]) -> _Plan:
         """Check `descriptor` against the model, stage its shadows and plan the copy."""
-        from milepost.core.engine.weight_receiver import UpdateRejected
         receiver, specs = self.receiver, descriptor["tensors"]
         problem = receiver.problems(specs)
         if problem:
