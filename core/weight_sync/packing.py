@@ -26,29 +26,23 @@ def pack_parameters(module: torch.nn.Module, device: torch.device | None = None)
     for t in module.state_dict(keep_vars=True).values():
         if isinstance(t, torch.nn.Parameter) and t.is_contiguous():
             params.setdefault(id(t), t)
-    moved = 0
-    for dtype, from_device in {(p.dtype, p.device) for p in params.values()}:
-        same = [p for p in params.values() if p.dtype == dtype and p.device == from_device]
-        size = sum(p.numel() for p in same)
-        buf, pos = torch.empty(size, dtype=dtype, device=device or from_device), 0
-        for p in same:
-            n = p.numel()
-            buf[pos:pos + n].copy_(p.data.view(-1))
-            p.data = buf[pos:pos + n].view_as(p)
-            pos += n
-        moved += buf.numel() * buf.element_size()
-    return moved
+    old = [p.data for p in params.values()]
+    allocate_packed([(p, p.shape, p.dtype) for p in params.values()], device)
+    for p, data in zip(params.values(), old):
+        p.data.copy_(data)
+    return sum(p.numel() * p.element_size() for p in params.values())
 
 
-def allocate_packed(tensors: list[tuple[torch.Tensor, torch.Size, torch.dtype]]) -> None:
+def allocate_packed(tensors: list[tuple[torch.Tensor, torch.Size, torch.dtype]],
+                    device: torch.device | None = None) -> None:
     """Point each tensor (in this order) at uninitialised memory of its shape and dtype, laid
-    out back to back in one buffer per dtype on its device (a memory resume: pack_parameters'
-    layout again, without the copy)."""
+    out back to back in one buffer per dtype and device (each tensor's own, or `device`): a
+    memory resume gets pack_parameters' layout again, without the copy."""
     groups: dict[tuple[torch.dtype, torch.device], list[tuple[torch.Tensor, torch.Size]]] = {}
     for t, shape, dtype in tensors:
-        groups.setdefault((dtype, t.device), []).append((t, shape))
-    for (dtype, device), same in groups.items():
-        buf, pos = torch.empty(sum(shape.numel() for _, shape in same), dtype=dtype, device=device), 0
+        groups.setdefault((dtype, device or t.device), []).append((t, shape))
+    for (dtype, on), same in groups.items():
+        buf, pos = torch.empty(sum(shape.numel() for _, shape in same), dtype=dtype, device=on), 0
         for t, shape in same:
             t.data = buf[pos:pos + shape.numel()].view(shape)
             pos += shape.numel()
