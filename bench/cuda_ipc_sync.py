@@ -16,7 +16,13 @@ tests/gpu/test_cuda_buffers_gpu.py run the whole push over HTTP). Rows:
   as separate tensors (copied into a bucket buffer), once packed (pack_parameters: the engine
   copies straight out of the trainer's weights). Since 12-06 the push counts begin and commit
   too (before, only the bucket loads: the commit's copy into the live weights was left out).
-The floor: one device-to-device copy of the same bytes in one process.
+- The same two, colocated: before each push the engine releases its weights and resumes them
+  (drop_weights, allocate_weights: what /release_memory_occupation and
+  /resume_memory_occupation do to them), as colocated placement does around every trainer
+  step, so the push fills weights a resume left unloaded (received in place, no commit copy).
+  The release and resume are timed apart (in the loop they fall in timing/train_s).
+The floor: one device-to-device copy of the same bytes in one process. Each phase is the mean
+over the pushes after the first (the first maps the storages and makes the plans).
 
     python bench/cuda_ipc_sync.py [--params-gb 0.99] [--bucket-mb 512] [--pushes 5] [--out FILE]
 
@@ -65,7 +71,7 @@ def trainer(conn, results, specs: list[wire.Spec], bucket_bytes: int, pushes: in
     plan = buckets(specs, bucket_bytes)
     flat = sglang_wire.shared_buffer(max(wire.offsets(b)[1] for b in plan), "cuda")
     times, phases = [], {"trainer_copy": 0.0, "encode": 0.0, "engine_round_trip": 0.0}
-    for _ in range(pushes):
+    for push_index in range(pushes):
         torch.cuda.synchronize()
         start = time.perf_counter()
         for bucket in plan:
@@ -81,7 +87,7 @@ def trainer(conn, results, specs: list[wire.Spec], bucket_bytes: int, pushes: in
             conn.recv()  # the engine copied it in: the buffer may be written again
             t3 = time.perf_counter()
             for key, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2)):
-                phases[key] += dt / pushes
+                phases[key] += dt / (pushes - 1) if push_index else 0.0
         times.append(time.perf_counter() - start)
     conn.send(None)
     results.put({"times": times, "buckets": len(plan), "phases": phases, "engine": conn.recv()})
@@ -101,9 +107,11 @@ def milepost_specs(specs: list[wire.Spec]) -> list[wire.Spec]:
     return [{**s, "name": s["name"].replace(".", "_")} for s in specs]
 
 
-def milepost_trainer(conn, results, specs: list[wire.Spec], bucket_bytes: int, pushes: int, packed: bool) -> None:
+def milepost_trainer(conn, results, specs: list[wire.Spec], bucket_bytes: int, pushes: int, packed: bool,
+                     colocated: bool) -> None:
     """A push as the tensor transport makes it, minus the HTTP: begin, every bucket
-    (WeightSender.to_cuda, then the engine's load), then the version and the commit."""
+    (WeightSender.to_cuda, then the engine's load), then the version and the commit.
+    `colocated`: the engine releases and resumes its weights before each push (untimed)."""
     from milepost.core.train.weight_sender import WeightSender, pack_parameters
     module = _Weights(specs)
     if packed:
@@ -112,6 +120,9 @@ def milepost_trainer(conn, results, specs: list[wire.Spec], bucket_bytes: int, p
     plan = [[s["name"] for s in bucket] for bucket in sender.buckets(bucket_bytes)]
     times, phases = [], {"trainer_to_cuda": 0.0, "engine_round_trips": 0.0}
     for push_index in range(pushes):
+        if colocated:
+            conn.send(("release_resume", None))
+            conn.recv()
         torch.cuda.synchronize()
         start = time.perf_counter()
         conn.send(("begin", None))
@@ -122,8 +133,9 @@ def milepost_trainer(conn, results, specs: list[wire.Spec], bucket_bytes: int, p
             t1 = time.perf_counter()
             conn.send(("load", payload))
             conn.recv()  # the engine copied it in: the buffer may be written again
-            phases["trainer_to_cuda"] += (t1 - t0) / pushes
-            phases["engine_round_trips"] += (time.perf_counter() - t1) / pushes
+            if push_index:  # steady state: the first push maps and plans
+                phases["trainer_to_cuda"] += (t1 - t0) / (pushes - 1)
+                phases["engine_round_trips"] += (time.perf_counter() - t1) / (pushes - 1)
         conn.send(("commit", str(push_index + 1)))
         conn.recv()
         times.append(time.perf_counter() - start)
@@ -148,10 +160,24 @@ def milepost_engine(conn, specs: list[wire.Spec], pushes: int) -> None:
                             memory=SimpleNamespace(update_problem=lambda: None))
     receiver = WeightReceiver(sched)
     phases = {"begin": 0.0, "load": 0.0, "commit": 0.0}
+    began = 0
     while (message := conn.recv()) is not None:
         kind, arg = message
         t0 = time.perf_counter()
+        if kind == "release_resume":
+            shapes = receiver.drop_weights()
+            assert not isinstance(shapes, str), shapes
+            torch.cuda.empty_cache()  # as the release does: the memory goes back for the trainer
+            released = time.perf_counter()
+            receiver.allocate_weights(shapes)
+            torch.cuda.synchronize()
+            if began:
+                phases["release"] = phases.get("release", 0.0) + (released - t0) / (pushes - 1)
+                phases["resume"] = phases.get("resume", 0.0) + (time.perf_counter() - released) / (pushes - 1)
+            conn.send("ok")
+            continue
         if kind == "begin":
+            began += 1
             status, text = receiver.begin("")
         elif kind == "load":
             status, text = receiver.run_update(lambda payload=arg: load_tensor_payload(receiver, payload), False, None)
@@ -160,18 +186,20 @@ def milepost_engine(conn, specs: list[wire.Spec], pushes: int) -> None:
             status, text = receiver.end()
             torch.cuda.current_stream().synchronize()  # the commit's copies are done before answering
         assert status == 200, text
-        phases[kind] += (time.perf_counter() - t0) / pushes
+        if began > 1:  # steady state: the first push maps and plans
+            phases[kind] += (time.perf_counter() - t0) / (pushes - 1)
         conn.send(text)
     conn.send(phases)
 
 
-def engine(conn, specs: list[wire.Spec], keep_mappings: bool, pushes: int) -> None:
+def engine(conn, specs: list[wire.Spec], keep_mappings: bool, pushes: int, first_push_buckets: int) -> None:
     """`keep_mappings`: hold the last bucket decoded from each trainer buffer, so the next
     push's handle (the trainer reuses its buffer) is found in torch's cache instead of being
     opened again (cudaIpcOpenMemHandle); SGLang drops it after each load."""
     mine = {s["name"]: torch.empty(s["shape"], dtype=torch.bfloat16, device="cuda") for s in specs}
     local = torch.empty(sum(wire.spec_nbytes(s) for s in specs), dtype=torch.uint8, device="cuda")
     held, phases = [], {"decode": 0.0, "engine_copy": 0.0, "one_copy_of_bucket": 0.0, "local_copy_same_bytes": 0.0}
+    seen = 0
     while (payload := conn.recv()) is not None:
         t0 = time.perf_counter()
         flat, got = sglang_wire.decode(base64.b64decode(payload))
@@ -187,8 +215,10 @@ def engine(conn, specs: list[wire.Spec], keep_mappings: bool, pushes: int) -> No
         local[raw.numel():2 * raw.numel()].copy_(local[:raw.numel()]) if 2 * raw.numel() <= local.numel() else None
         torch.cuda.synchronize()
         t4 = time.perf_counter()
+        seen += 1
         for key, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
-            phases[key] += dt / pushes  # summed over a push's buckets
+            if seen > first_push_buckets:  # steady state, summed over a push's buckets
+                phases[key] += dt / (pushes - 1)
         held = [flat] if keep_mappings else []
         del flat, raw
         conn.send("ok")
@@ -219,6 +249,9 @@ ROWS = {  # row → (trainer, engine, how it is described)
     "sglang-keep": "SGLang's format, engine keeps the mapping",
     "milepost-copied": "milepost's CUDA format, trainer copies into bucket buffers",
     "milepost-packed": "milepost's CUDA format, trainer weights packed (read in place)",
+    "milepost-copied-colocated": "milepost's CUDA format, colocated (engine weights released and resumed "
+                                 "before each push), trainer copies into bucket buffers",
+    "milepost-packed-colocated": "milepost's CUDA format, colocated, trainer weights packed (read in place)",
 }
 
 
@@ -230,11 +263,12 @@ def push(specs: list[wire.Spec], args: argparse.Namespace, row: str) -> dict:
     if row.startswith("milepost"):
         ours = milepost_specs(specs)
         procs = [ctx.Process(target=milepost_trainer, args=(to_engine, results, ours, bucket_bytes, args.pushes,
-                                                            row == "milepost-packed")),
+                                                            "packed" in row, row.endswith("colocated"))),
                  ctx.Process(target=milepost_engine, args=(to_trainer, ours, args.pushes))]
     else:
         procs = [ctx.Process(target=trainer, args=(to_engine, results, specs, bucket_bytes, args.pushes)),
-                 ctx.Process(target=engine, args=(to_trainer, specs, row == "sglang-keep", args.pushes))]
+                 ctx.Process(target=engine, args=(to_trainer, specs, row == "sglang-keep", args.pushes,
+                                                  len(buckets(specs, bucket_bytes))))]
     for p in procs:
         p.start()
     measured = results.get(timeout=600)
@@ -265,15 +299,19 @@ def main() -> None:
                      f"{len(measured['times'])} (first {measured['times'][0]:.4f} s): {push_s:.4f} s = "
                      f"{nbytes / push_s / 1e9:.1f} GB/s, vs device copy {copy_s / push_s:.3f}")
         phases = {**measured["phases"], **{f"engine {k}": v for k, v in measured["engine"].items()}}
-        lines.append("  per push (mean, each phase synchronised apart, buckets summed): " +
-                     ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in phases.items()))
+        lines.append("  per push (mean over the pushes after the first, each phase synchronised apart, buckets "
+                     "summed): " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in phases.items()))
     def ratio(row: str) -> float:
         return copy_s / min(rows[row]["times"][1:] or rows[row]["times"])
-    # the figure: what the tensor transport does for the built-in engine on a GPU with any backend
-    # (a backend that packs its parameters, as the torch backend does, gets the packed row)
-    lines.append(f"tensor_sync_vs_copy: {ratio('milepost-copied'):.3f} (milepost's CUDA format, weights copied "
-                 f"into bucket buffers; packed weights: {ratio('milepost-packed'):.3f}; SGLang's format: "
-                 f"{ratio('sglang-reopen'):.3f})")
+    # the figure: a colocated push (colocated placement releases and resumes the engine's weights
+    # around every trainer step), the trainer copying its weights into bucket buffers, as any
+    # backend whose weights are not packed does (a backend that packs them, as the torch backend
+    # does, gets the packed row)
+    lines.append(f"tensor_sync_vs_copy: {ratio('milepost-copied-colocated'):.3f} (colocated, milepost's CUDA "
+                 f"format, weights copied into bucket buffers; packed weights: "
+                 f"{ratio('milepost-packed-colocated'):.3f}; into weights the engine serves (not released): "
+                 f"copied {ratio('milepost-copied'):.3f}, packed {ratio('milepost-packed'):.3f}; SGLang's "
+                 f"format: {ratio('sglang-reopen'):.3f})")
     emit(lines, args.out)
 
 

@@ -15,7 +15,9 @@ Rules, beside the code that keeps them:
 - The allow-list and the fit against the model ran when the plan was made, on the same
   payload string and the same model (its tensors' names and shapes do not change).
 - `clear()` on a memory release: plans hold shadows (GPU memory) and the mappings hold the
-  trainer's storages.
+  trainer's storages. The checked descriptors (data, no memory) are kept: colocated placement
+  releases before every push, and its push into the weights a resume left unloaded
+  (staging.py: received in place) plans again from them without decoding.
 - A new plan drops every plan whose shadows are no longer the receiver's: they would keep the
   replaced shadows' memory alive. At most MAX_PLANS payloads are kept, the oldest dropped.
 """
@@ -57,10 +59,15 @@ class CudaStaging:
         self.receiver, self.device_type = receiver, device_type
         self.mapped = cuda_buffers.MappedStorages()
         self._plans: OrderedDict[str, _Plan] = OrderedDict()
+        self._descriptors: OrderedDict[str, dict[str, Any]] = OrderedDict()  # payload → checked descriptor
 
     def knows(self, payload: str) -> bool:
         """Was `payload` (one `serialized_named_tensors` entry) read before? Then `load` takes
         it without decoding it again."""
+        return payload in self._plans or payload in self._descriptors
+
+    def has_plan(self, payload: str) -> bool:
+        """Is a copy plan (which holds shadows) kept for `payload`?"""
         return payload in self._plans
 
     def load(self, payload: str, body: Any = None) -> str:
@@ -73,9 +80,7 @@ class CudaStaging:
             self._plans.move_to_end(payload)
             self.receiver.stage_many(plan.staged)
         else:
-            if body is None:
-                body = json.loads(base64.b64decode(payload, validate=True))
-            plan = self._plan(cuda_buffers.decode_descriptor(body) if plan is None else plan.descriptor)
+            plan = self._plan(self._descriptor(payload, body))
             # planning may have re-laid shadows that older plans hold: those would keep the old
             # shadows' GPU memory alive until dropped
             self._plans = OrderedDict((k, p) for k, p in self._plans.items() if k != payload and self._valid(p))
@@ -92,6 +97,19 @@ class CudaStaging:
         return (f"staged {len(plan.staged)} tensors from a mapped trainer storage "
                 f"({len(self.mapped)} mapped; copied {'as one span' if plan.copy.span else 'tensor by tensor'}; "
                 f"{'plan reused' if reused else 'planned'})")
+
+    def _descriptor(self, payload: str, body: Any) -> dict[str, Any]:
+        """`payload`'s descriptor, checked by cuda_buffers.decode_descriptor once per payload."""
+        descriptor = self._descriptors.get(payload)
+        if descriptor is None:
+            if body is None:
+                body = json.loads(base64.b64decode(payload, validate=True))
+            descriptor = self._descriptors[payload] = cuda_buffers.decode_descriptor(body)
+            while len(self._descriptors) > MAX_PLANS:
+                self._descriptors.popitem(last=False)
+        else:
+            self._descriptors.move_to_end(payload)
+        return descriptor
 
     def _plan(self, descriptor: dict[str, Any]) -> _Plan:
         """Check `descriptor` against the model, stage its shadows and plan the copy."""

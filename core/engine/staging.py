@@ -3,6 +3,13 @@ are received or copied into, and the host-memory loads of the tensor transport (
 flattened bucket, milepost's shm files). The session, the commit and the memory release stay
 in weight_receiver.py, whose docstring holds the rules (atomicity, locks); milepost's CUDA
 format is read by cuda_staging.py.
+
+Received in place: a tensor that a memory resume left `unloaded` holds no value anyone may
+read (the engine refuses to generate until every tensor is loaded: memory.py), so its
+"shadow" is the live tensor itself and the commit copies nothing for it. This is every push
+of colocated placement (release, the trainer's step, resume, push): one copy of the weights,
+not two, and no second copy of them held on the GPU afterwards. A session that fails leaves
+such tensors unloaded, so the engine still refuses to serve them.
 """
 
 from __future__ import annotations
@@ -48,8 +55,9 @@ class Staging:
     _lock: threading.Lock
     _session: Session | None
     _targets: dict[str, tuple[str, torch.Tensor]] | None  # name → (canonical, live)
-    _shadows: dict[str, torch.Tensor]  # private staging tensors
+    _shadows: dict[str, torch.Tensor]  # private staging tensors, or an unloaded live tensor's own memory
     _files: ShmFiles
+    unloaded: set[str]  # canonical names a memory resume allocated, not yet loaded
 
     def target_map(self) -> dict[str, tuple[str, torch.Tensor]]:
         """Every state-dict name → (canonical name, live tensor); tied names share one."""
@@ -104,13 +112,27 @@ class Staging:
         return self._shadows.get(self.target_map()[name][0])
 
     def shadow(self, name: str) -> torch.Tensor:
-        """A private staging tensor for `name` (allocated on first use), staged."""
+        """A private staging tensor for `name` (allocated on first use), staged; an unloaded
+        tensor's own memory (received in place: module docstring)."""
         canonical, live = self.target_map()[name]
         buf = self._shadows.get(canonical)
-        if buf is None or buf.shape != live.shape or buf.dtype != live.dtype:
+        if canonical in self.unloaded:
+            if buf is None or not self.is_live(canonical, buf):
+                buf = self._shadows[canonical] = live.data
+        elif buf is None or buf.shape != live.shape or buf.dtype != live.dtype or self.is_live(canonical, buf):
+            self.forget_commit_plan()  # it may hold the shadow replaced here
             buf = self._shadows[canonical] = torch.empty_like(live)
         self.stage(name, buf, None)
         return buf
+
+    def is_live(self, canonical: str, tensor: torch.Tensor) -> bool:
+        """Is `tensor` the live tensor's own memory (received in place)?"""
+        live = self.target_map()[canonical][1]
+        return tensor.data_ptr() == live.data_ptr() and tensor.shape == live.shape and bool(live.numel())
+
+    def forget_commit_plan(self) -> None:
+        """Overridden by WeightReceiver: shadows are about to be replaced, so its kept commit
+        plan (which holds them) must go first."""
 
     def shadow_span(self, specs: list[wire.Spec]) -> torch.Tensor | None:
         """The shadows of a flattened bucket (which fits the model) as one flat tensor,
@@ -124,11 +146,22 @@ class Staging:
         if len({c for _, c, _ in named}) != len(named) or any(
                 wire.parse_dtype(s["dtype"]) != live.dtype for s, (_, _, live) in zip(specs, named)):
             return None
+        if all(c in self.unloaded for _, c, _ in named):  # received in place (module docstring)
+            flat = wire.span([live.data for _, _, live in named])
+            if flat is not None:
+                for name, canonical, live in named:
+                    kept = self._shadows.get(canonical)  # the same object keeps cuda_staging's plan valid
+                    if kept is None or not self.is_live(canonical, kept):
+                        self._shadows[canonical] = live.data
+                    self.stage(name, self._shadows[canonical], None)
+                return flat
         shadows = [self._shadows.get(c) for _, c, _ in named]
         flat = None
-        if all(b is not None and b.shape == live.shape for b, (_, _, live) in zip(shadows, named)):
+        if all(b is not None and b.shape == live.shape and not self.is_live(c, b)
+               for b, (_, c, live) in zip(shadows, named)):
             flat = wire.span(cast("list[torch.Tensor]", shadows))  # none is None: checked above
         if flat is None:
+            self.forget_commit_plan()  # it holds the old shadows
             for _, canonical, _ in named:  # free the old shadows first: no third copy of the weights
                 self._shadows.pop(canonical, None)
             flat = torch.empty(sum(live.numel() for _, _, live in named), dtype=named[0][2].dtype,

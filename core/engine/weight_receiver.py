@@ -45,7 +45,9 @@ class WeightReceiver(Staging):
     (SGLang's sequence sets it just before end), none of its update calls failed and end
     was not asked to abort; otherwise end discards it. A private tensor swapped out
     becomes the next shadow; a leased one releases its lease. Live tensors in shm files are
-    never written in place (a disk load swaps in fresh tensors too).
+    never written in place (a disk load swaps in fresh tensors too). The one exception: a
+    tensor a memory resume left unloaded, which nothing may read, is received in place
+    (staging.py), and its commit only marks it loaded.
 
     Concurrency: `_lock` guards the session fields and is held only briefly. `_update_lock`
     serialises update calls, commit, discard and disk adoption (one writer of shadows and
@@ -64,7 +66,8 @@ class WeightReceiver(Staging):
         self._update_lock = threading.Lock()
         self._session: Session | None = None
         self._targets: dict[str, tuple[str, torch.Tensor]] | None = None  # name → (canonical, live)
-        self._shadows: dict[str, torch.Tensor] = {}  # private staging tensors (distributed)
+        self._shadows: dict[str, torch.Tensor] = {}  # private staging tensors (staging.py)
+        self._commit_plan: tuple[tuple[object, ...], list[torch.Tensor], CopyRuns] | None = None  # _commit_runs
         self._live_leases: dict[str, Lease] = {}  # canonical name → lease of the file it lives in
         self._files = ShmFiles()
         self.cuda = CudaStaging(self)  # milepost's CUDA format: trainer storages mapped once, reads planned once
@@ -136,18 +139,48 @@ class WeightReceiver(Staging):
             return 503, f"model busy for {self.lock_timeout_s} s; still serving {self.sched.weight_version}"
         try:
             targets = self.target_map()
-            copied = {c: t for c, (t, lease) in s.staged.items() if self._copies_in(targets[c][1], t, lease)}
-            # as few copies as the layouts allow: on a GPU the live weights lie back to back (packing.py)
-            # and so do a bucket's shadows, so a commit is a few span copies, not one per tensor
-            CopyRuns([targets[c][1].data for c in copied], list(copied.values())).run()
+            in_place = {c for c, (t, lease) in s.staged.items()  # received in place (staging.py): nothing to copy
+                        if lease is None and c in self.unloaded and self.is_live(c, t)} if self.unloaded else set()
+            copied = {c: t for c, (t, lease) in s.staged.items()
+                      if c not in in_place and self._copies_in(targets[c][1], t, lease)}
+            self._commit_runs(copied).run()
             self._copied_in(copied)
+            self._loaded_in_place(in_place)
             for canonical, (tensor, lease) in s.staged.items():
-                if canonical not in copied:
+                if canonical not in copied and canonical not in in_place:
                     self._swap_in(canonical, tensor, lease)
             self.sched.weight_version = version
         finally:
             self.sched.model_lock.release()
         return 200, f"committed {len(s.staged)} tensors as weight_version {s.version}"
+
+    def _commit_runs(self, copied: dict[str, torch.Tensor]) -> CopyRuns:
+        """The copies of `copied` (canonical name → staged tensor) into the live tensors, as
+        few as the layouts allow: on a GPU the live weights lie back to back (packing.py) and
+        so do a bucket's shadows, so a commit is a few span copies, not one per tensor.
+        Planning them costs Python per tensor (3 ms for 841 tensors on a CPU core), so the
+        plan is kept while the same shadows go into the same live tensors: it holds the
+        shadows (their ids are its key) and is dropped before any shadow is replaced
+        (forget_commit_plan) or a live tensor moves (`epoch`)."""
+        sources = list(copied.values())
+        key = (self.epoch, tuple(copied), tuple(map(id, sources)))
+        if self._commit_plan is None or self._commit_plan[0] != key:
+            targets = self.target_map()
+            self._commit_plan = (key, sources, CopyRuns([targets[c][1].data for c in copied], sources))
+        return self._commit_plan[2]
+
+    def forget_commit_plan(self) -> None:
+        self._commit_plan = None
+
+    def _loaded_in_place(self, names: set[str]) -> None:
+        """Bookkeeping after `names` were received in place (caller holds both locks): they
+        are loaded, and the next push into them needs private shadows again."""
+        if not names:
+            return
+        self.generation += 1  # contents changed (quantized.py re-quantises on it)
+        self.unloaded.difference_update(names)
+        for canonical in names:
+            del self._shadows[canonical]
 
     @staticmethod
     def _copies_in(live: torch.Tensor, tensor: torch.Tensor, lease: Lease | None) -> bool:
@@ -166,6 +199,8 @@ class WeightReceiver(Staging):
         for canonical, tensor in copied.items():
             live = targets[canonical][1]
             if tensor.device == live.device and tensor.dtype == live.dtype:
+                if self._shadows.get(canonical) is not tensor:
+                    self.forget_commit_plan()  # it holds the shadow replaced here
                 self._shadows[canonical] = tensor
 
     def _swap_in(self, canonical: str, tensor: torch.Tensor, lease: Lease | None) -> None:
@@ -178,6 +213,7 @@ class WeightReceiver(Staging):
             return
         self.generation += 1  # contents change (quantized.py re-quantises on it)
         self.epoch += 1  # the live tensor moves: whoever holds its address must look again
+        self.forget_commit_plan()  # it holds the shadows replaced here
         old, old_lease = live.data, self._live_leases.pop(canonical, None)
         live.data = tensor
         self.unloaded.discard(canonical)
@@ -243,6 +279,7 @@ class WeightReceiver(Staging):
                     if lease is not None:
                         lease.release()
             self._shadows.clear()
+            self.forget_commit_plan()
             self.cuda.clear()  # the trainer's storages (its allocator may reuse them once unmapped), plans' shadows
             self.epoch += 1
             self.generation += 1

@@ -99,3 +99,35 @@ def test_each_trainer_storage_is_mapped_once_and_dropped_on_memory_release(serve
     client.resume_memory_occupation()
     assert push("m3") == (1, "planned")  # the release dropped every mapping and plan; this push mapped its one storage
     sender.release()
+
+
+def test_a_colocated_push_fills_the_resumed_weights_in_place(served) -> None:
+    """Colocated placement releases and resumes the weights around each trainer step: the push
+    that follows goes straight into the resumed weights (no shadow allocated, nothing copied at
+    the commit) and the engine serves exactly those weights."""
+    from milepost.core.train.weight_sender import WeightSender
+    root, client = served
+    client.update_weights_from_disk(str(root / "v1"), weight_version="disk-v1")
+    want = _outputs(client)
+    sender = WeightSender(_model(1))
+    plan = [[s["name"] for s in bucket] for bucket in sender.buckets(16 << 20)]
+    weight_bytes = sum(t.numel() * t.element_size() for t in sender.module.state_dict().values())
+
+    def push(version: str) -> list[str]:
+        client.begin_weight_update()
+        replies = [client.update_weights_from_tensor(sender.to_cuda(names, i), weight_version=version)["message"]
+                   for i, names in enumerate(plan)]
+        client.end_weight_update()
+        return replies
+
+    client.update_weights_from_disk(str(root / "v0"), weight_version="disk-v0")
+    push("warm")  # the trainer's bucket buffers and exports exist before memory is measured
+    client.release_memory_occupation()
+    client.resume_memory_occupation()
+    torch.cuda.synchronize()
+    free_resumed = torch.cuda.mem_get_info()[0]
+    push("colocated")
+    taken = free_resumed - torch.cuda.mem_get_info()[0]
+    assert taken < weight_bytes / 2, f"the push took {taken} bytes of device memory (weights: {weight_bytes})"
+    assert client.model_info()["weight_version"] == "colocated"
+    assert _outputs(client) == want

@@ -129,7 +129,75 @@ def test_a_new_layout_drops_the_plans_it_made_stale_and_a_memory_release_drops_a
     _load(receiver, small)
     whole = _payloads(trainer, mapped, 1 << 30, b"one-bucket")  # every tensor in one bucket: shadows re-laid
     _load(receiver, whole)
-    assert receiver.cuda.knows(whole[0]) and not any(receiver.cuda.knows(p) for p in small)
+    assert receiver.cuda.has_plan(whole[0]) and not any(receiver.cuda.has_plan(p) for p in small)
     assert receiver.end(abort=True)[0] == 200
     assert not isinstance(receiver.drop_weights(), str)
-    assert not receiver.cuda.knows(whole[0])
+    assert not receiver.cuda.has_plan(whole[0])
+    assert receiver.cuda.knows(whole[0])  # its checked descriptor (data, no memory) is kept
+
+
+def _resume_unloaded(receiver: WeightReceiver) -> None:
+    """A memory release and resume of the weights, as colocated placement makes before each push."""
+    shapes = receiver.drop_weights()
+    assert not isinstance(shapes, str), shapes
+    receiver.allocate_weights(shapes)
+    assert receiver.unloaded
+
+
+def _same(engine: torch.nn.Module, trainer: torch.nn.Module) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(engine.state_dict().values(), trainer.state_dict().values()))
+
+
+def test_a_push_after_a_memory_resume_is_received_in_place_and_keeps_no_shadow() -> None:
+    engine, trainer = _model(0), _model(1)
+    receiver, mapped = _receiver(engine)
+    payloads = _payloads(trainer, mapped, 4096, b"bucket-buffer")
+    _push(receiver, payloads, "1")
+    _resume_unloaded(receiver)
+    names = list(receiver.target_map())
+    assert receiver.begin("")[0] == 200
+    _load(receiver, payloads)
+    assert _same(engine, trainer)  # the bytes went straight into the live tensors
+    assert receiver.unloaded  # ... which serve nothing before the commit
+    receiver.stage_version("2")
+    generation = receiver.generation
+    assert receiver.end() == (200, f"committed {len(receiver.target_map()) - 1} tensors as weight_version 2")
+    assert not receiver.unloaded and receiver.generation > generation
+    assert all(receiver.shadow_of(n) is None for n in names)  # one copy of the weights: no shadow held
+    assert _same(engine, trainer)
+
+
+def test_a_failed_push_into_unloaded_weights_leaves_them_unloaded() -> None:
+    engine, trainer = _model(0), _model(1)
+    receiver, mapped = _receiver(engine)
+    payloads = _payloads(trainer, mapped, 4096, b"bucket-buffer")
+    _resume_unloaded(receiver)
+    everything = set(receiver.unloaded)
+    assert receiver.begin("")[0] == 200
+    _load(receiver, payloads[:1])
+    receiver.stage_version("1")
+    assert receiver.end(abort=True)[0] == 200
+    assert receiver.unloaded == everything  # the engine still refuses to serve (memory.serving_problem)
+    assert receiver.sched.weight_version == "0"
+    _push(receiver, payloads, "1")
+    assert not receiver.unloaded and _same(engine, trainer)
+
+
+def test_a_push_into_loaded_weights_after_an_in_place_one_stages_privately_again() -> None:
+    """Received in place only while unloaded: the next push must not touch what is served."""
+    engine, trainer = _model(0), _model(1)
+    receiver, mapped = _receiver(engine)
+    payloads = _payloads(trainer, mapped, 4096, b"bucket-buffer")
+    _resume_unloaded(receiver)
+    _push(receiver, payloads, "1")
+    served = {k: v.clone() for k, v in engine.state_dict().items()}
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.mul_(-1)
+    again = _payloads(trainer, mapped, 4096, b"bucket-buffer")
+    assert receiver.begin("")[0] == 200
+    assert all(r.endswith("planned)") for r in _load(receiver, again))  # the in-place plans went with the commit
+    assert all(torch.equal(served[k], v) for k, v in engine.state_dict().items())
+    assert receiver.end(abort=True)[0] == 200
+    _push(receiver, again, "2")
+    assert _same(engine, trainer)
