@@ -57,6 +57,9 @@ class CudaBucketPlan:
     placed: list[wire.Spec]  # each tensor with its byte offset in flat's storage
     made_for: Signature  # signature() of the tensors planned
     descriptors: dict[int, list[str]] = field(default_factory=dict)  # readers → encoded descriptors
+    # copied: the concatenation's views (wire.concatenation), made at the first fill; they
+    # hold the planned tensors, which the plan's signature names anyway
+    concatenation: tuple[list[torch.Tensor], torch.Tensor] | None = None
 
     def fits(self, names: list[str], tensors: list[torch.Tensor], buffer: torch.Tensor | None) -> bool:
         """Still right for `names` as `tensors`, with bucket buffer `buffer` (the one kept now)?"""
@@ -96,10 +99,14 @@ class CudaSender:
     @staticmethod
     def _fill(plan: CudaBucketPlan, tensors: list[torch.Tensor]) -> None:
         """The bucket's tensors into its buffer: one concatenation where all are on the buffer's
-        device (wire.pack_into), else one multi-tensor copy (host tensors, another GPU)."""
+        device (its views kept in the plan: wire.concatenation), else one multi-tensor copy
+        (host tensors, another GPU)."""
         with torch.no_grad():  # kept vars may require grad, and cat(out=) records no graph
-            if all(t.device == plan.flat.device for t in tensors):
-                wire.pack_into(plan.flat, tensors)
+            if plan.concatenation is not None:
+                torch.cat(plan.concatenation[0], out=plan.concatenation[1])
+            elif all(t.device == plan.flat.device for t in tensors):
+                plan.concatenation = wire.concatenation(plan.flat, [t.detach() for t in tensors])
+                torch.cat(plan.concatenation[0], out=plan.concatenation[1])
             else:
                 wire.copy_all([wire.view(plan.flat, s["offset"], s) for s in plan.placed], tensors)
 

@@ -89,3 +89,21 @@ def test_a_cuda_bucket_plan_is_kept_only_for_the_same_tensors_names_and_buffer()
     assert not copied.fits(names, reshaped, buffer)
     in_place = CudaBucketPlan(tuple(names), True, tensors[0], [], signature(tensors))
     assert in_place.fits(names, tensors, None)  # read where the weights lie: no buffer involved
+
+
+def test_a_kept_plan_fills_its_buffer_with_the_tensors_current_values() -> None:
+    """The concatenation's views are made at the first fill and kept with the plan: a later
+    push of the same tensors, changed in place by a train step, sends their new bytes."""
+    from milepost.core.train.cuda_sender import CudaSender
+    from milepost.core.weight_sync import wire
+    tensors = [torch.randn(s).to(torch.bfloat16) for s in SHAPES]  # separate tensors: copied, not read in place
+    specs = [{"name": n, "dtype": "bfloat16", "shape": list(t.shape)} for n, t in zip("abcd", tensors)]
+    offsets, total = wire.offsets(specs)
+    plan = CudaBucketPlan(tuple("abcd"), False, torch.zeros(total, dtype=torch.uint8),
+                          [{**s, "offset": o} for s, o in zip(specs, offsets)], signature(tensors))
+    for _ in range(3):
+        CudaSender._fill(plan, tensors)
+        assert plan.concatenation is not None
+        assert all(torch.equal(wire.view(plan.flat, s["offset"], s), t) for s, t in zip(plan.placed, tensors))
+        for t in tensors:
+            t.mul_(-2)  # the train step writes in place: same addresses, the plan still fits
