@@ -56,9 +56,11 @@ elif [ "$call" = sync ]; then
   step cuda_ipc_sync_3gb 120 python3 bench/cuda_ipc_sync.py --params-gb 3.4 --bucket-mb 1024 --pushes 6 \
       --out "$OUT/cuda_ipc_sync_3gb.txt"
   step cuda_ipc_sync 90 python3 bench/cuda_ipc_sync.py --pushes 6 --out "$OUT/cuda_ipc_sync.txt"
-  # the trainer's copy into bucket buffers, by the ways there are (issue 18: most of a copied push)
-  step bucket_fill 45 python3 bench/bucket_fill.py --out "$OUT/bucket_fill_gpu.txt"
-  step gpu_weight_sync 100 python3 bench/gpu_weight_sync.py --out "$OUT/gpu_weight_sync.txt"
+  if [ -z "${SYNC_MECHANISM_ONLY:-}" ]; then  # SYNC_MECHANISM_ONLY=1: the tests and cuda_ipc_sync only (~150 s)
+    # the trainer's copy into bucket buffers, by the ways there are (issue 18: most of a copied push)
+    step bucket_fill 45 python3 bench/bucket_fill.py --out "$OUT/bucket_fill_gpu.txt"
+    step gpu_weight_sync 100 python3 bench/gpu_weight_sync.py --out "$OUT/gpu_weight_sync.txt"
+  fi
   if [ -n "${SYNC_ROLLOUT:-}" ]; then
     step rollout_precision 90 python3 bench/rollout_precision.py
     cp bench/results/rollout_precision_gpu.* "$OUT/" 2>/dev/null

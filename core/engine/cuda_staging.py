@@ -11,9 +11,11 @@ its checked descriptor and its copy plan are kept and reused; the bytes are copi
 
 Rules, beside the code that keeps them:
 - A plan is reused only while every shadow it copies into is still the receiver's shadow for
-  that tensor (`_valid`): a memory release or a re-laid shadow span makes a new plan.
-- The allow-list and the fit against the model ran when the plan was made, on the same
-  payload string and the same model (its tensors' names and shapes do not change).
+  that tensor (`_valid`): a memory release or a re-laid shadow span makes a new plan. A plan
+  that receives in place (staging.py) is reused only while its tensors are unloaded and have
+  not moved (the receiver's `epoch`): the commit that loads them ends it.
+- The allow-list and the fit against the model ran when the descriptor was first read, on the
+  same payload string and the same model (its tensors' names, shapes and device do not change).
 - `clear()` on a memory release: plans hold shadows (GPU memory) and the mappings hold the
   trainer's storages. The checked descriptors (data, no memory) are kept: colocated placement
   releases before every push, and its push into the weights a resume left unloaded
@@ -44,9 +46,11 @@ MAX_PLANS = 64
 
 @dataclass
 class _Plan:
-    descriptor: dict[str, Any]  # checked by cuda_buffers.decode_descriptor; read-only
+    descriptor: dict[str, Any]  # checked by cuda_buffers.decode_descriptor and against the model; read-only
     staged: list[tuple[str, torch.Tensor]]  # (name, the shadow it is copied into), in specs order
     copy: wire.BucketCopy
+    in_place: frozenset[str] = frozenset()  # received in place (staging.py): these canonical names, no shadows
+    epoch: int = 0  # the receiver's epoch when planned: an in-place plan holds live tensors' memory
 
 
 class CudaStaging:
@@ -78,7 +82,8 @@ class CudaStaging:
         reused = plan is not None and self._valid(plan)
         if plan is not None and reused:
             self._plans.move_to_end(payload)
-            self.receiver.stage_many(plan.staged)
+            if plan.staged:
+                self.receiver.stage_many(plan.staged)
         else:
             plan = self._plan(self._descriptor(payload, body))
             # planning may have re-laid shadows that older plans hold: those would keep the old
@@ -94,26 +99,32 @@ class CudaStaging:
         plan.copy.run(storage)
         if storage.is_cuda:  # the trainer may rewrite it once we answer: the copy must be done
             torch.cuda.current_stream(storage.device).synchronize()
-        return (f"staged {len(plan.staged)} tensors from a mapped trainer storage "
+        if plan.in_place:
+            self.receiver.mark_in_place(plan.in_place)
+        where = f"{len(plan.in_place)} tensors in place" if plan.in_place else f"{len(plan.staged)} tensors"
+        return (f"staged {where} from a mapped trainer storage "
                 f"({len(self.mapped)} mapped; copied {'as one span' if plan.copy.span else 'tensor by tensor'}; "
                 f"{'plan reused' if reused else 'planned'})")
 
     def _descriptor(self, payload: str, body: Any) -> dict[str, Any]:
-        """`payload`'s descriptor, checked by cuda_buffers.decode_descriptor once per payload."""
+        """`payload`'s descriptor, checked by cuda_buffers.decode_descriptor and against the
+        model once per payload (the model's names, shapes, dtypes and device do not change)."""
         descriptor = self._descriptors.get(payload)
         if descriptor is None:
             if body is None:
                 body = json.loads(base64.b64decode(payload, validate=True))
-            descriptor = self._descriptors[payload] = cuda_buffers.decode_descriptor(body)
+            descriptor = cuda_buffers.decode_descriptor(body)
+            self._check(descriptor["tensors"])
+            self._descriptors[payload] = descriptor
             while len(self._descriptors) > MAX_PLANS:
                 self._descriptors.popitem(last=False)
         else:
             self._descriptors.move_to_end(payload)
         return descriptor
 
-    def _plan(self, descriptor: dict[str, Any]) -> _Plan:
-        """Check `descriptor` against the model, stage its shadows and plan the copy."""
-        receiver, specs = self.receiver, descriptor["tensors"]
+    def _check(self, specs: list[wire.Spec]) -> None:
+        """Refuse `specs` that do not fit the model, or an engine whose weights are not on a GPU."""
+        receiver = self.receiver
         problem = receiver.problems(specs)
         if problem:
             raise UpdateRejected(problem)
@@ -123,10 +134,24 @@ class CudaStaging:
             raise UpdateRejected(f"milepost's CUDA format is for engines on a GPU and this engine's weights are on "
                                  f"{', '.join(sorted(devices))}: send the shm format (its /server_info "
                                  "tensor_formats lists what it reads)")
+
+    def _plan(self, descriptor: dict[str, Any]) -> _Plan:
+        """Plan the copy of a checked descriptor's bucket: in place where the receiver allows
+        it (staging.py), else into staged shadows."""
+        receiver, specs = self.receiver, descriptor["tensors"]
+        in_place = receiver.in_place_span(specs)
+        if in_place is not None:
+            targets = receiver.target_map()
+            copy = wire.BucketCopy([targets[s["name"]][1].data for s in specs], specs, into=in_place[0])
+            return _Plan(descriptor, [], copy, in_place[1], receiver.epoch)
         shadows = receiver.staging_targets(specs)
         return _Plan(descriptor, [(s["name"], t) for s, t in zip(specs, shadows)], wire.BucketCopy(shadows, specs))
 
     def _valid(self, plan: _Plan) -> bool:
+        """An in-place plan: while its tensors stay where they were and unloaded; else while
+        every shadow it copies into is still the receiver's."""
+        if plan.in_place:
+            return plan.epoch == self.receiver.epoch and plan.in_place <= self.receiver.unloaded
         return all(self.receiver.shadow_of(name) is t for name, t in plan.staged)
 
     def clear(self) -> int:

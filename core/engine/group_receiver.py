@@ -70,13 +70,15 @@ class GroupReceiver:
         return f"staged {len(specs)} tensors from group {group_name}"
 
     def _receive_flat(self, specs: list[wire.Spec], pg: Any, streams: int, keep: bool, via_host: bool) -> None:
-        """The bucket's bytes in groups.flat_pieces: straight into the shadows laid out back
-        to back (receiver.shadow_span), else into a reused buffer, then copied to them.
+        """The bucket's bytes in groups.flat_pieces: straight into the live tensors where a
+        memory resume left them unloaded (receiver.in_place_span), or into the shadows laid
+        out back to back (receiver.shadow_span), else into a reused buffer, then copied to them.
         `via_host`: a gloo group and weights on a GPU: always the buffer, in host memory."""
         dtypes = {s["dtype"] for s in specs}
         if len(dtypes) != 1:  # the group is still in step: nothing was received
             raise ValueError(f"a flattened bucket holds one dtype, got {sorted(dtypes)}")
-        flat = self.receiver.shadow_span(specs) if keep and not via_host else None
+        in_place = self.receiver.in_place_span(specs) if keep and not via_host else None
+        flat = in_place[0] if in_place else self.receiver.shadow_span(specs) if keep and not via_host else None
         offs, total = wire.offsets(specs)
         staged = flat is None  # then received into the reused buffer, copied to the shadows after
         if flat is None:
@@ -86,6 +88,8 @@ class GroupReceiver:
             flat = self._flat[:total].view(wire.parse_dtype(specs[0]["dtype"]))
         pieces = groups.flat_pieces(groups.as_sent(flat), streams)
         self._wait([dist.broadcast(p, src=0, group=pg, async_op=True) for p in pieces])
+        if in_place:
+            self.receiver.mark_in_place(in_place[1])
         if keep and staged:
             buffer = self._flat
             assert buffer is not None  # the staged branch above made it

@@ -43,6 +43,7 @@ class Session:
     touched_at: float = field(default_factory=time.monotonic)
     # canonical name → (tensor to swap in, lease on the shm file it lives in, or None)
     staged: dict[str, tuple[torch.Tensor, Lease | None]] = field(default_factory=dict)
+    in_place: set[str] = field(default_factory=set)  # canonical names received in place (module docstring)
     version: str | None = None
     failed: str | None = None
 
@@ -55,7 +56,7 @@ class Staging:
     _lock: threading.Lock
     _session: Session | None
     _targets: dict[str, tuple[str, torch.Tensor]] | None  # name → (canonical, live)
-    _shadows: dict[str, torch.Tensor]  # private staging tensors, or an unloaded live tensor's own memory
+    _shadows: dict[str, torch.Tensor]  # private staging tensors
     _files: ShmFiles
     unloaded: set[str]  # canonical names a memory resume allocated, not yet loaded
 
@@ -112,23 +113,42 @@ class Staging:
         return self._shadows.get(self.target_map()[name][0])
 
     def shadow(self, name: str) -> torch.Tensor:
-        """A private staging tensor for `name` (allocated on first use), staged; an unloaded
-        tensor's own memory (received in place: module docstring)."""
+        """A private staging tensor for `name` (allocated on first use), staged."""
         canonical, live = self.target_map()[name]
         buf = self._shadows.get(canonical)
-        if canonical in self.unloaded:
-            if buf is None or not self.is_live(canonical, buf):
-                buf = self._shadows[canonical] = live.data
-        elif buf is None or buf.shape != live.shape or buf.dtype != live.dtype or self.is_live(canonical, buf):
+        if buf is None or buf.shape != live.shape or buf.dtype != live.dtype:
             self.forget_commit_plan()  # it may hold the shadow replaced here
             buf = self._shadows[canonical] = torch.empty_like(live)
         self.stage(name, buf, None)
         return buf
 
-    def is_live(self, canonical: str, tensor: torch.Tensor) -> bool:
-        """Is `tensor` the live tensor's own memory (received in place)?"""
-        live = self.target_map()[canonical][1]
-        return tensor.data_ptr() == live.data_ptr() and tensor.shape == live.shape and bool(live.numel())
+    def in_place_span(self, specs: list[wire.Spec]) -> tuple[torch.Tensor, frozenset[str]] | None:
+        """Where a bucket (which fits the model) is received in place (module docstring): the
+        live tensors of `specs` as one flat tensor, and their canonical names, if every one
+        is unloaded, of the sent dtype, sent once and laid back to back (packing.py). Else
+        None. Nothing is staged: mark_in_place does that once the bytes are written."""
+        targets = self.target_map()
+        named = [targets[s["name"]] for s in specs]
+        canonicals = frozenset(c for c, _ in named)
+        if (not specs or len(canonicals) != len(named) or not canonicals <= self.unloaded
+                or any(wire.parse_dtype(s["dtype"]) != live.dtype for s, (_, live) in zip(specs, named))):
+            return None
+        flat = wire.span([live.data for _, live in named])
+        return None if flat is None else (flat, canonicals)
+
+    def mark_in_place(self, canonicals: frozenset[str]) -> None:
+        """Record in the open session that `canonicals` were received in place: the commit
+        marks them loaded. A private tensor staged for one earlier is dropped (the live
+        tensor now holds newer bytes); one staged later still goes in at the commit."""
+        with self._lock:
+            session = self._session
+            if session is None:
+                raise UpdateRejected("the session ended during the update")
+            session.in_place |= canonicals
+            for canonical in canonicals & session.staged.keys():
+                _, lease = session.staged.pop(canonical)
+                if lease is not None:
+                    lease.release()
 
     def forget_commit_plan(self) -> None:
         """Overridden by WeightReceiver: shadows are about to be replaced, so its kept commit
@@ -146,19 +166,9 @@ class Staging:
         if len({c for _, c, _ in named}) != len(named) or any(
                 wire.parse_dtype(s["dtype"]) != live.dtype for s, (_, _, live) in zip(specs, named)):
             return None
-        if all(c in self.unloaded for _, c, _ in named):  # received in place (module docstring)
-            flat = wire.span([live.data for _, _, live in named])
-            if flat is not None:
-                for name, canonical, live in named:
-                    kept = self._shadows.get(canonical)  # the same object keeps cuda_staging's plan valid
-                    if kept is None or not self.is_live(canonical, kept):
-                        self._shadows[canonical] = live.data
-                    self.stage(name, self._shadows[canonical], None)
-                return flat
         shadows = [self._shadows.get(c) for _, c, _ in named]
         flat = None
-        if all(b is not None and b.shape == live.shape and not self.is_live(c, b)
-               for b, (_, c, live) in zip(shadows, named)):
+        if all(b is not None and b.shape == live.shape for b, (_, _, live) in zip(shadows, named)):
             flat = wire.span(cast("list[torch.Tensor]", shadows))  # none is None: checked above
         if flat is None:
             self.forget_commit_plan()  # it holds the old shadows
@@ -185,10 +195,16 @@ class Staging:
         return f"staged {len(specs)} tensors from a flattened bucket"
 
     def _copy_staged(self, flat: torch.Tensor, specs: list[wire.Spec]) -> None:
-        """Copy `specs` (which fit the model) out of `flat` into staged shadows; done on return."""
-        wire.copy_bucket(self.staging_targets(specs), flat, specs)
+        """Copy `specs` (which fit the model) out of `flat` into staged shadows, or in place
+        (module docstring); done on return."""
+        in_place = self.in_place_span(specs)
+        targets = self.target_map()
+        wire.copy_bucket([targets[s["name"]][1].data for s in specs] if in_place else self.staging_targets(specs),
+                         flat, specs)
         if flat.is_cuda:  # the sender rewrites its buffer once this call answers: the copy must be done
             torch.cuda.current_stream(flat.device).synchronize()
+        if in_place:
+            self.mark_in_place(in_place[1])
 
     def staging_targets(self, specs: list[wire.Spec]) -> list[torch.Tensor]:
         """The staged shadows of `specs` (which fit the model), laid back to back where the

@@ -139,20 +139,17 @@ class WeightReceiver(Staging):
             return 503, f"model busy for {self.lock_timeout_s} s; still serving {self.sched.weight_version}"
         try:
             targets = self.target_map()
-            in_place = {c for c, (t, lease) in s.staged.items()  # received in place (staging.py): nothing to copy
-                        if lease is None and c in self.unloaded and self.is_live(c, t)} if self.unloaded else set()
-            copied = {c: t for c, (t, lease) in s.staged.items()
-                      if c not in in_place and self._copies_in(targets[c][1], t, lease)}
+            copied = {c: t for c, (t, lease) in s.staged.items() if self._copies_in(targets[c][1], t, lease)}
             self._commit_runs(copied).run()
             self._copied_in(copied)
-            self._loaded_in_place(in_place)
+            self._loaded_in_place(s.in_place - copied.keys())  # received in place (staging.py): nothing to copy
             for canonical, (tensor, lease) in s.staged.items():
-                if canonical not in copied and canonical not in in_place:
+                if canonical not in copied:
                     self._swap_in(canonical, tensor, lease)
             self.sched.weight_version = version
         finally:
             self.sched.model_lock.release()
-        return 200, f"committed {len(s.staged)} tensors as weight_version {s.version}"
+        return 200, f"committed {len(s.staged.keys() | s.in_place)} tensors as weight_version {s.version}"
 
     def _commit_runs(self, copied: dict[str, torch.Tensor]) -> CopyRuns:
         """The copies of `copied` (canonical name → staged tensor) into the live tensors, as
@@ -174,13 +171,10 @@ class WeightReceiver(Staging):
 
     def _loaded_in_place(self, names: set[str]) -> None:
         """Bookkeeping after `names` were received in place (caller holds both locks): they
-        are loaded, and the next push into them needs private shadows again."""
-        if not names:
-            return
-        self.generation += 1  # contents changed (quantized.py re-quantises on it)
-        self.unloaded.difference_update(names)
-        for canonical in names:
-            del self._shadows[canonical]
+        are loaded (and the next push into them stages privately again)."""
+        if names:
+            self.generation += 1  # contents changed (quantized.py re-quantises on it)
+            self.unloaded.difference_update(names)
 
     @staticmethod
     def _copies_in(live: torch.Tensor, tensor: torch.Tensor, lease: Lease | None) -> bool:

@@ -239,9 +239,10 @@ class BucketCopy:
     path, so a caller that copies the same bucket layout each push plans once
     (core/engine/cuda_staging.py)."""
 
-    def __init__(self, targets: list[torch.Tensor], specs: list[Spec]) -> None:
+    def __init__(self, targets: list[torch.Tensor], specs: list[Spec], into: torch.Tensor | None = None) -> None:
+        """`into`: span(targets), where the caller found it already."""
         self.targets, self.specs = targets, specs
-        into = span(targets)
+        into = span(targets) if into is None else into
         offs = [int(x["offset"]) for x in specs]
         sizes = [spec_nbytes(x) for x in specs]
         self.span: tuple[torch.Tensor, int, int] | None = None  # (into as bytes, start, end in the buffer)

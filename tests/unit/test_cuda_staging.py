@@ -201,3 +201,25 @@ def test_a_push_into_loaded_weights_after_an_in_place_one_stages_privately_again
     assert receiver.end(abort=True)[0] == 200
     _push(receiver, again, "2")
     assert _same(engine, trainer)
+
+
+def test_sglang_flattened_buckets_are_received_in_place_too() -> None:
+    """The same rule for SGLang's flattened bucket (Staging.load_flat), copied into the
+    unloaded live tensors; a private tensor staged before for one of them is dropped."""
+    engine, trainer = _model(0), _model(1)
+    receiver, _ = _receiver(engine)
+    _resume_unloaded(receiver)
+    sender = WeightSender(trainer)
+    specs = [s for bucket in sender.buckets(1 << 30) for s in bucket]
+    offsets, total = wire.offsets(specs)
+    flat = torch.empty(total, dtype=torch.uint8)
+    named = dict(sender.named_tensors())
+    for spec, offset in zip(specs, offsets):
+        wire.view(flat, offset, spec).copy_(named[spec["name"]])
+    placed = [{**s, "offset": o} for s, o in zip(specs, offsets)]
+    assert receiver.begin("")[0] == 200
+    receiver.shadow(specs[0]["name"]).fill_(7.0)  # staged privately first: the in-place bytes are newer
+    assert receiver.run_update(lambda: receiver.load_flat(flat, placed), False, "1")[0] == 200
+    assert receiver.end()[0] == 200
+    assert not receiver.unloaded and _same(engine, trainer)
+    assert all(receiver.shadow_of(s["name"]) is None for s in specs[1:])
