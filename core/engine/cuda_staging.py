@@ -16,10 +16,11 @@ Rules, beside the code that keeps them:
   not moved (the receiver's `epoch`): the commit that loads them ends it.
 - The allow-list and the fit against the model ran when the descriptor was first read, on the
   same payload string and the same model (its tensors' names, shapes and device do not change).
-- `clear()` on a memory release: plans hold shadows (GPU memory) and the mappings hold the
-  trainer's storages. The checked descriptors (data, no memory) are kept: colocated placement
-  releases before every push, and its push into the weights a resume left unloaded
-  (staging.py: received in place) plans again from them without decoding.
+- `clear()` on a memory release: plans hold shadows (GPU memory); the mappings the last push
+  did not read go (those it read stay mapped: MappedStorages.sweep says why). The checked
+  descriptors (data, no memory) are kept: colocated placement releases before every push, and
+  its push into the weights a resume left unloaded (staging.py: received in place) plans
+  again from them without decoding.
 - A new plan drops every plan whose shadows are no longer the receiver's: they would keep the
   replaced shadows' memory alive. At most MAX_PLANS payloads are kept, the oldest dropped.
 """
@@ -155,6 +156,7 @@ class CudaStaging:
         return all(self.receiver.shadow_of(name) is t for name, t in plan.staged)
 
     def clear(self) -> int:
-        """Forget every plan and unmap every storage (a memory release); returns the unmapped."""
+        """Forget every plan and unmap every storage the last push did not read (a memory
+        release: MappedStorages.sweep); returns how many were unmapped."""
         self._plans.clear()
-        return self.mapped.clear()
+        return self.mapped.sweep()

@@ -94,6 +94,7 @@ class WeightReceiver(Staging):
                     return 400, ("a weight-update session is already open: finish it with "
                                  "/end_weight_update before beginning another")
                 self._session = Session(selector)
+            self.cuda.mapped.new_push()
             if s is not None:
                 log.warning("discarding a weight-update session idle for %.0f s", time.monotonic() - s.touched_at)
                 self._discard(s)
@@ -274,7 +275,7 @@ class WeightReceiver(Staging):
                         lease.release()
             self._shadows.clear()
             self.forget_commit_plan()
-            self.cuda.clear()  # the trainer's storages (its allocator may reuse them once unmapped), plans' shadows
+            self.cuda.clear()  # plans' shadows, and the trainer's storages the last push did not read
             self.epoch += 1
             self.generation += 1
             return shapes

@@ -76,8 +76,9 @@ def test_a_push_by_cuda_storages_serves_what_a_disk_load_serves(served, packed) 
         transport.close()
 
 
-def test_each_trainer_storage_is_mapped_once_and_dropped_on_memory_release(served) -> None:
-    """Two pushes of one bucket map one storage; a release unmaps it; the next push maps again."""
+def test_each_trainer_storage_is_mapped_once_and_kept_across_a_memory_release_while_read(served) -> None:
+    """Two pushes of one bucket map one storage; a release unmaps what the last push did not
+    read (earlier tests' storages) and keeps the one it read; the next push maps nothing."""
     from milepost.core.train.weight_sender import WeightSender
     _, client = served
     sender = WeightSender(_model(1))
@@ -97,7 +98,7 @@ def test_each_trainer_storage_is_mapped_once_and_dropped_on_memory_release(serve
     assert push("m2") == (first, "plan reused")  # the second push found its mapping and its plan
     client.release_memory_occupation()
     client.resume_memory_occupation()
-    assert push("m3") == (1, "planned")  # the release dropped every mapping and plan; this push mapped its one storage
+    assert push("m3") == (1, "planned")  # the release dropped every plan and every other mapping
     sender.release()
 
 

@@ -39,6 +39,12 @@ class HandMapped:
     def clear(self) -> int:
         return 0
 
+    def new_push(self) -> None:
+        pass
+
+    def sweep(self) -> int:
+        return 0
+
     def __len__(self) -> int:
         return len(self.storages)
 
