@@ -114,6 +114,33 @@ def test_push_serves_what_a_disk_load_serves(make, engines, backend, models, ref
     assert reference["trained"] != reference["v0"]
 
 
+@pytest.mark.parametrize("make", [
+    lambda: TensorTransport(timeout_s=60, wire_format="sglang"),  # flattened buckets copied in
+    lambda: DistributedTransport(timeout_s=60, gloo_streams=4),  # flattened, broadcast straight in
+], ids=["tensor-sglang-format", "distributed-4-streams"])
+def test_a_push_after_a_memory_release_fills_the_resumed_weights_and_serves_them(make, engines, backend,
+                                                                                  reference):
+    """Colocated placement's cycle: release, resume (weights allocated, empty), push. The push
+    is received straight into the resumed weights (core/engine/staging.py); the engines serve
+    exactly the pushed weights, and a push after that (weights served) stages privately again."""
+    clients = [c for _, c in engines]
+    transport = make()
+    try:
+        for cycle in ("1", "2"):
+            for c in clients:
+                assert c.release_memory_occupation(["weights"])["success"]
+                assert c.resume_memory_occupation(["weights"])["success"]
+                with pytest.raises(EngineError, match="push weights first"):
+                    c.generate(input_ids=[[3, 4]], sampling_params={"max_new_tokens": 1})
+            transport.push(clients, "", f"resumed-{cycle}", backend=backend)
+            assert _outputs(clients) == reference["trained"]
+        transport.push(clients, "", "served", backend=backend)
+        assert [c.model_info()["weight_version"] for c in clients] == ["served", "served"]
+        assert _outputs(clients) == reference["trained"]
+    finally:
+        transport.close()
+
+
 @pytest.mark.parametrize("make", [lambda: TensorTransport(timeout_s=60, bucket_mb=0.01),
                                   lambda: DistributedTransport(timeout_s=60, gloo_streams=2)],
                          ids=["tensor", "distributed"])
