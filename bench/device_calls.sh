@@ -6,7 +6,8 @@
 #   source bench/device_calls.sh figures   training: bf16 and fp8 side by side (env: FP8_RECIPES, FP8_LR_ALSO, FP8_GPU_TESTS, IPC_3GB)
 #   source bench/device_calls.sh sync      the CUDA-format GPU tests, the CUDA-IPC push mechanism, GPU weight sync over HTTP
 #                                          (on a two-GPU kind, e.g. nvidia-h100-x2, also NCCL to an engine on the second GPU);
-#                                          SYNC_ROLLOUT=1: rollout precision too
+#                                          SYNC_ROLLOUT=1: rollout precision too; SYNC_MECHANISM_ONLY=1: the tests
+#                                          and bench/cuda_ipc_sync.py only (~170 s with the install)
 #   source bench/device_calls.sh tests     the GPU tests, warm-start speed
 # Everything a call writes comes back in $OUT/results.tgz (and $OUT/steps.txt).
 call=${1:?arith, figures, sync or tests}
