@@ -229,3 +229,36 @@ def test_sglang_flattened_buckets_are_received_in_place_too() -> None:
     assert receiver.end()[0] == 200
     assert not receiver.unloaded and _same(engine, trainer)
     assert all(receiver.shadow_of(s["name"]) is None for s in specs[1:])
+
+
+def test_the_commit_plan_is_kept_for_the_same_shadows_and_made_again_when_they_change(monkeypatch) -> None:
+    """On a GPU a commit copies the shadows into the live weights (CUDA graphs keep their
+    addresses); here the receiver is told to, on CPU. Its span copies are planned once while
+    the same shadows go into the same live tensors, and again after shadows are re-laid or the
+    weights are released: each commit still serves the trainer's bytes."""
+    import milepost.core.engine.weight_receiver as weight_receiver
+    made = []
+
+    class CountedRuns(weight_receiver.CopyRuns):
+        def __init__(self, *args, **kwargs) -> None:
+            made.append(1)
+            super().__init__(*args, **kwargs)
+    monkeypatch.setattr(weight_receiver, "CopyRuns", CountedRuns)
+    monkeypatch.setattr(WeightReceiver, "_copies_in", staticmethod(lambda live, tensor, lease: lease is None))
+    engine, trainer = _model(0), _model(1)
+    receiver, mapped = _receiver(engine)
+    small = _payloads(trainer, mapped, 4096, b"small")
+    for version in ("1", "2", "3"):
+        _push(receiver, small, version)
+        assert _same(engine, trainer)
+    assert len(made) == 1  # planned at the first commit, kept for the next two
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.mul_(-1)
+    whole = _payloads(trainer, mapped, 1 << 30, b"whole")  # one bucket: the shadows are re-laid
+    _push(receiver, whole, "4")
+    assert len(made) == 2 and _same(engine, trainer)
+    _resume_unloaded(receiver)
+    _push(receiver, whole, "5")  # in place: nothing to copy, an empty plan
+    _push(receiver, whole, "6")  # served again: shadows made anew
+    assert _same(engine, trainer) and len(made) == 4
