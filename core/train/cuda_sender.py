@@ -102,10 +102,9 @@ class CudaSender:
         device (its views kept in the plan: wire.concatenation), else one multi-tensor copy
         (host tensors, another GPU)."""
         with torch.no_grad():  # kept vars may require grad, and cat(out=) records no graph
-            if plan.concatenation is not None:
-                torch.cat(plan.concatenation[0], out=plan.concatenation[1])
-            elif all(t.device == plan.flat.device for t in tensors):
+            if plan.concatenation is None and all(t.device == plan.flat.device for t in tensors):
                 plan.concatenation = wire.concatenation(plan.flat, [t.detach() for t in tensors])
+            if plan.concatenation is not None:
                 torch.cat(plan.concatenation[0], out=plan.concatenation[1])
             else:
                 wire.copy_all([wire.view(plan.flat, s["offset"], s) for s in plan.placed], tensors)

@@ -155,11 +155,5 @@ class MappedStorages:
             del self._mapped[key]
         return len(stale)
 
-    def clear(self) -> int:
-        """Unmap everything (a memory release; the trainer's buffers go back to it); returns how many."""
-        n = len(self._mapped)
-        self._mapped.clear()
-        return n
-
     def __len__(self) -> int:
         return len(self._mapped)

@@ -36,9 +36,6 @@ class HandMapped:
     def storage(self, descriptor: dict) -> torch.Tensor:
         return self.storages[descriptor["storage"]["handle"]]
 
-    def clear(self) -> int:
-        return 0
-
     def new_push(self) -> None:
         pass
 
