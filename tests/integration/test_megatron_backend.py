@@ -101,11 +101,12 @@ def runs(ray_cluster, model_path, tmp_path_factory) -> dict:
             out[f"tp{tp}_export"] = str(tmp / f"export_tp{tp}")
             out[f"tp{tp}_step1"] = b.train_step(S1, step=1)
             out[f"tp{tp}_w1"] = b.state_dict()
-            if tp == 2:
-                out["tp2_shm_w1"] = read_shm_buckets(b)
+            out[f"tp{tp}_shm_w1"] = read_shm_buckets(b)
             b.save_state(str(tmp / f"ckpt_tp{tp}"))
             out[f"tp{tp}_step2"] = b.train_step(S2, step=2)
             out[f"tp{tp}_w2"] = b.state_dict()
+            if tp == 1:  # the staged views and the kept q/k/v tensors, read again after a step
+                out["tp1_shm_w2"] = read_shm_buckets(b)
         finally:
             b.shutdown()
     b = create_backend(model_path, megatron_cfg(2, False), AlgoConfig(), TEMPERATURE, seed=7, total_steps=10,
@@ -218,13 +219,18 @@ def test_hf_megatron_hf_round_trip_is_bit_exact(runs, model_path):
         assert load_causal_lm(runs[f"tp{tp}_export"]) is not None  # a loadable HF folder
 
 
-def test_tensor_weight_sync_sends_gathered_hf_tensors(runs):
+@pytest.mark.parametrize("tp,step", [(2, 1), (1, 1), (1, 2)])
+def test_tensor_weight_sync_sends_gathered_hf_tensors(runs, tp, step):
     """TP=2: each bucket's tensors are gathered across the TP ranks and sent under HF names;
-    the tied lm_head travels once, as the embedding (as the torch backend sends it)."""
-    sent, trained = runs["tp2_shm_w1"], runs["tp2_w1"]
+    the tied lm_head travels once, as the embedding (as the torch backend sends it). TP=1
+    stages views of the parameters and q/k/v in the last push's tensors: a push after another
+    step sends that step's weights, not the last push's."""
+    sent, trained = runs[f"tp{tp}_shm_w{step}"], runs[f"tp{tp}_w{step}"]
     assert set(sent) == set(trained) - {"lm_head.weight"}
     for name, t in sent.items():
         assert torch.equal(t, trained[name]), name
+    if step == 2:
+        assert any(not torch.equal(sent[n], runs["tp1_shm_w1"][n]) for n in sent if "q_proj" in n)
 
 
 def test_fp8_rollout_sends_the_gathered_tensors_block_quantised(runs, model_path):

@@ -173,3 +173,37 @@ def test_architectures_match_hf_and_round_trip():
         assert r["logit_std"] > 0.01, name  # logits that carry signal
         assert r["logit_diff"] < 1e-5, (name, r)
         assert r["same_names"] and r["bit_exact"], (name, r)
+
+
+@pytest.mark.parametrize("name", [
+    "decoder.layers.0.self_attention.linear_proj.weight", "decoder.layers.0.mlp.linear_fc1.weight",
+    "embedding.word_embeddings.weight", "decoder.layers.0.input_layernorm.weight",
+    "decoder.layers.0.self_attention.linear_qkv.weight",
+])
+def test_views_at_tp1_give_the_copies_values_and_read_the_shard_where_the_layout_allows(name):
+    s = spec()
+    m = mapping_for(name, s)
+    shape = {"vocab": (8, 4), "replicated": (4,), "fc1": (8, 4), "qkv": (8, 4)}.get(m.kind, (4, 4))
+    shard = torch.randn(shape)
+    copies = to_hf(m, [shard], s)
+    views = to_hf(m, [shard], s, views=True)
+    assert [n for n, _ in views] == [n for n, _ in copies]
+    for (_, c), (_, v) in zip(copies, views):
+        assert torch.equal(c, v) and v.is_contiguous()
+        shares = v.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr()
+        assert shares == (m.kind != "qkv")  # q/k/v are strided in the fused tensor: copied
+    for _, c in copies:  # the default stays what safetensors can write: no tensor shares the shard
+        assert c.untyped_storage().data_ptr() != shard.untyped_storage().data_ptr() or m.kind == "replicated"
+
+
+def test_views_write_q_k_v_into_the_last_pushs_tensors_where_they_fit():
+    s = spec()
+    m = mapping_for("decoder.layers.0.self_attention.linear_qkv.weight", s)
+    first = dict(to_hf(m, [torch.randn(8, 4)], s, views=True))
+    shard = torch.randn(8, 4)
+    wrong = {m.hf_names[2]: torch.zeros(3, 4)}  # v kept at another shape: a new tensor
+    again = dict(to_hf(m, [shard], s, views=True, reuse={**first, **wrong}))
+    assert again[m.hf_names[0]] is first[m.hf_names[0]] and again[m.hf_names[1]] is first[m.hf_names[1]]
+    assert again[m.hf_names[2]] is not first[m.hf_names[2]] and again[m.hf_names[2]].shape == (2, 4)
+    expected = dict(to_hf(m, [shard], s))
+    assert all(torch.equal(again[n], expected[n]) for n in m.hf_names)

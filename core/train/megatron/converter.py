@@ -16,8 +16,8 @@ Name mapping (megatron global name <- HF names), layer L, expert E:
 
 Fused QKV layout (megatron): for each query group g, [q heads of g; k_g; v_g] stacked on dim 0,
 so a TP shard is a contiguous block of whole groups. The vocabulary is padded to a multiple
-of the TP size with zero rows that export drops. Every transform is a copy, so HF -> megatron
--> HF is bit-exact in the model's dtype.
+of the TP size with zero rows that export drops. Every transform copies or views the values
+unchanged, so HF -> megatron -> HF is bit-exact in the model's dtype.
 """
 
 from __future__ import annotations
@@ -117,9 +117,18 @@ def to_megatron(mapping: Mapping, hf: list[torch.Tensor], spec: ModelSpec, tp_ra
     raise AssertionError(kind)
 
 
-def to_hf(mapping: Mapping, shards: list[torch.Tensor], spec: ModelSpec) -> list[tuple[str, torch.Tensor]]:
-    """The HF tensors of one megatron tensor, from its shards on every TP rank (in rank order)."""
+def to_hf(mapping: Mapping, shards: list[torch.Tensor], spec: ModelSpec, views: bool = False,
+          reuse: dict[str, torch.Tensor] | None = None) -> list[tuple[str, torch.Tensor]]:
+    """The HF tensors of one megatron tensor, from its shards on every TP rank (in rank order).
+    Each is a tensor of its own (safetensors refuses tensors that share memory), unless `views`:
+    then, from one shard (TP=1), every HF tensor that is a contiguous piece of it is that piece
+    (no copy), and the q/k/v split is written into `reuse`'s tensor of its name where one fits.
+    Why: a weight push stages the whole model every push, and two copies of every tensor
+    (cat, clone) plus new addresses each time (so the CUDA sender planned again) were most of
+    what Megatron's push cost beyond the transport (core/train/cuda_sender.py)."""
     kind, names = mapping.kind, mapping.hf_names
+    if views and len(shards) == 1 and kind != "qkv":
+        return _pieces(kind, names, shards[0], spec)
     if kind == "replicated":
         return [(names[0], shards[0])]
     if kind == "row":
@@ -133,12 +142,33 @@ def to_hf(mapping: Mapping, shards: list[torch.Tensor], spec: ModelSpec) -> list
         return [(names[0], torch.cat([h[0] for h in halves])), (names[1], torch.cat([h[1] for h in halves]))]
     if kind == "qkv":
         rows, q_rows = _qkv_groups(spec)
-        full = torch.cat(shards, dim=0)
+        full = shards[0] if len(shards) == 1 else torch.cat(shards, dim=0)
         tail = tuple(full.shape[1:])
         grouped = full.reshape((spec.num_query_groups, rows) + tail)
-        q, k, v = grouped.split([q_rows, spec.head_dim, spec.head_dim], dim=1)
-        return [(n, t.reshape((-1,) + tail).clone()) for n, t in zip(names, (q, k, v))]
+        parts = grouped.split([q_rows, spec.head_dim, spec.head_dim], dim=1)
+        return [(n, _into_kept(t, (reuse or {}).get(n) if views else None)) for n, t in zip(names, parts)]
     raise AssertionError(kind)
+
+
+def _pieces(kind: str, names: tuple[str, ...], shard: torch.Tensor, spec: ModelSpec) -> list[tuple[str, torch.Tensor]]:
+    """to_hf at TP=1, as views of the one shard (every kind but qkv: its HF tensors are strided)."""
+    if kind == "vocab":
+        return [(names[0], shard[:spec.vocab_size])]  # rows: contiguous
+    if kind == "fc1":
+        gate, up = shard.chunk(2, dim=0)
+        return [(names[0], gate), (names[1], up)]
+    return [(names[0], shard)]
+
+
+def _into_kept(part: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
+    """One of q/k/v (`part`: [groups, rows of the group, ...]) as a contiguous [rows, ...]
+    tensor: written into `kept` where it has that shape, dtype and device (so its address
+    stays the same push after push), else into a new tensor."""
+    shape = (part.shape[0] * part.shape[1],) + tuple(part.shape[2:])
+    if kept is None or tuple(kept.shape) != shape or kept.dtype != part.dtype or kept.device != part.device:
+        kept = part.new_empty(shape)
+    kept.view(part.shape).copy_(part)
+    return kept
 
 
 # ---- model side: local names of a model chunk <-> global names ----

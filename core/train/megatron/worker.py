@@ -535,7 +535,12 @@ class MegatronRankWorker(SenderRank):
     @compat
     def stage_weights(self, names: list[str] | None) -> None:
         """Gather the HF tensors `names` (all when None) of this stage onto this rank; only the
-        megatron tensors that make them are all-gathered over TP (per bucket, not the model)."""
+        megatron tensors that make them are all-gathered over TP (per bucket, not the model).
+        At TP=1 the staged tensors are views of the parameters where the layouts allow and
+        q/k/v are written into the last push's tensors (to_hf's `views`): no copy of most of
+        the model, and the same addresses every push, so the sender keeps its plans. A view
+        reads the live parameters: the push sends before the next optimizer step (the worker
+        runs one call at a time)."""
         from megatron.core import parallel_state as ps
 
         from milepost.core.train.megatron.converter import (
@@ -547,6 +552,7 @@ class MegatronRankWorker(SenderRank):
         # the sent names (fp8: scales too) -> the weights they are computed from
         wanted = None if names is None else set(source_names(names, self.weight_format))
         staged: dict[str, torch.Tensor] = {}
+        kept = getattr(self, "_staged", {})
         for chunk in self.model:
             for _, name, param in global_names(chunk.module, self.ep_rank):
                 mapping = mapping_for(name, self.spec)
@@ -560,7 +566,7 @@ class MegatronRankWorker(SenderRank):
                 else:
                     shards = [torch.empty_like(t) for _ in range(self.tp_size)]
                     dist.all_gather(shards, t.contiguous(), group=ps.get_tensor_model_parallel_group())
-                for n, full in to_hf(mapping, shards, self.spec):
+                for n, full in to_hf(mapping, shards, self.spec, views=self.tp_size == 1, reuse=kept):
                     if wanted is None or n in wanted:
                         staged[n] = full
         self._staged = staged
