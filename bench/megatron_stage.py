@@ -9,8 +9,9 @@ only q/k/v are copied (strided in the fused tensor), into the last push's tensor
 
 The parameters are made as megatron-core's DDP buffer holds them: one contiguous bf16 buffer,
 in reverse order of the model's parameters, Qwen3-1.7B-shaped (28 layers, tied embedding).
-A push is: stage every HF tensor, then (on a GPU) WeightSender.to_cuda for each 1 GB bucket
-(the copy into the bucket buffers, the export), each push synchronised. Printed: each way's
+A push is what the worker does: stage every HF tensor (to plan the buckets), then for each 1 GB
+bucket stage its names and (on a GPU) WeightSender.to_cuda (the copy into the bucket buffer,
+the export), each push synchronised. Printed: each way's
 push time, the views' speed-up over copies, and each against one device copy of the model's
 bytes (the floor of a copied push's trainer side). On a CPU only the staging is timed.
 
@@ -72,13 +73,21 @@ def ddp_buffer_params(shapes: list[tuple[str, tuple[int, ...]]], device: str) ->
     return params
 
 
-def stage(params: dict[str, torch.Tensor], spec: ModelSpec, views: bool,
-          kept: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """stage_weights at TP=1, the whole model."""
+def stage(params: dict[str, torch.Tensor], spec: ModelSpec, views: bool, kept: dict[str, torch.Tensor],
+          wanted: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """stage_weights at TP=1 for the HF names `wanted` (all when None); `kept`: q/k/v staged
+    last, by name (as the worker keeps them across buckets)."""
     staged: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for name, param in params.items():
-            staged.update(to_hf(mapping_for(name, spec), [param], spec, views=views, reuse=kept))
+            mapping = mapping_for(name, spec)
+            if wanted is not None and not wanted.intersection(mapping.hf_names):
+                continue
+            for n, full in to_hf(mapping, [param], spec, views=views, reuse=kept):
+                if wanted is None or n in wanted:
+                    staged[n] = full
+                if views and mapping.kind == "qkv":
+                    kept[n] = full
     return staged
 
 
@@ -93,23 +102,30 @@ class Staged(torch.nn.Module):
 
 def pushes(params: dict[str, torch.Tensor], spec: ModelSpec, views: bool, count: int,
            bucket_bytes: int) -> tuple[list[float], list[float]]:
-    """(stage seconds, whole push seconds) of each push."""
-    module, cuda = Staged(), next(iter(params.values())).is_cuda
+    """(stage seconds, whole push seconds) of each push. A push stages as the worker does: the
+    whole model (to plan the buckets), then each bucket's names before its to_cuda."""
+    module, cuda, kept = Staged(), next(iter(params.values())).is_cuda, {}
     sender = WeightSender(module)
     stage_s, push_s = [], []
+
+    def sync() -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
     for _ in range(count):
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        module.staged = stage(params, spec, views, module.staged)
-        if cuda:
-            torch.cuda.synchronize()
-        stage_s.append(time.perf_counter() - start)
-        if cuda:
-            for i, bucket in enumerate(sender.buckets(bucket_bytes)):
-                sender.to_cuda([s["name"] for s in bucket], i)
-            torch.cuda.synchronize()
-        push_s.append(time.perf_counter() - start)
+        start = sync()
+        module.staged = stage(params, spec, views, kept)
+        staging = sync() - start
+        for i, bucket in enumerate(sender.buckets(bucket_bytes)):
+            names = [s["name"] for s in bucket]
+            begun = sync()
+            module.staged = stage(params, spec, views, kept, set(names))
+            staging += sync() - begun
+            if cuda:
+                sender.to_cuda(names, i)
+        stage_s.append(staging)
+        push_s.append(sync() - start)
     sender.release()
     return stage_s, push_s
 
@@ -126,7 +142,7 @@ def main() -> None:
     params = ddp_buffer_params(megatron_shapes(spec), device)
     nbytes = sum(t.numel() * t.element_size() for t in params.values())
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
-    lines = [f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {name}, torch {torch.__version__}: "
+    lines = [f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {name}, torch {torch.__version__}: "
              f"python bench/megatron_stage.py {' '.join(sys.argv[1:])}".rstrip(),
              f"parameters: {len(params)} megatron bf16 tensors, {nbytes / 1e9:.3f} GB, one buffer in reverse order"]
     copy_s = device_copy_s(nbytes, device=device)

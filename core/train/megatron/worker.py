@@ -120,6 +120,9 @@ class MegatronRankWorker(SenderRank):
         self.cfg, self.algo, self.temperature, self.seed = train_cfg, algo_cfg, temperature, seed
         self.lr_mult = lr_lambda(train_cfg.lr_schedule, train_cfg.warmup_steps, total_steps)
         self.sched_step = 0
+        # weight sync at TP=1: q/k/v staged last, by name (stage_weights writes them again in
+        # place; each bucket stages only its own names, so `_staged` holds one bucket's)
+        self._kept_qkv: dict[str, torch.Tensor] = {}
 
     def free_port(self) -> int:
         import socket
@@ -552,7 +555,7 @@ class MegatronRankWorker(SenderRank):
         # the sent names (fp8: scales too) -> the weights they are computed from
         wanted = None if names is None else set(source_names(names, self.weight_format))
         staged: dict[str, torch.Tensor] = {}
-        kept = getattr(self, "_staged", {})
+        kept, views = self._kept_qkv, self.tp_size == 1
         for chunk in self.model:
             for _, name, param in global_names(chunk.module, self.ep_rank):
                 mapping = mapping_for(name, self.spec)
@@ -566,9 +569,11 @@ class MegatronRankWorker(SenderRank):
                 else:
                     shards = [torch.empty_like(t) for _ in range(self.tp_size)]
                     dist.all_gather(shards, t.contiguous(), group=ps.get_tensor_model_parallel_group())
-                for n, full in to_hf(mapping, shards, self.spec, views=self.tp_size == 1, reuse=kept):
+                for n, full in to_hf(mapping, shards, self.spec, views=views, reuse=kept):
                     if wanted is None or n in wanted:
                         staged[n] = full
+                    if views and mapping.kind == "qkv":
+                        kept[n] = full
         self._staged = staged
 
     def _weight_sender(self) -> Any:
