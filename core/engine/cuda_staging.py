@@ -140,11 +140,9 @@ class CudaStaging:
         """Plan the copy of a checked descriptor's bucket: in place where the receiver allows
         it (staging.py), else into staged shadows."""
         receiver, specs = self.receiver, descriptor["tensors"]
-        in_place = receiver.in_place_span(specs)
-        if in_place is not None:
-            targets = receiver.target_map()
-            copy = wire.BucketCopy([targets[s["name"]][1].data for s in specs], specs, into=in_place[0])
-            return _Plan(descriptor, [], copy, in_place[1], receiver.epoch)
+        in_place = receiver.in_place_targets(specs)
+        if in_place is not None:  # one copy of the span where both sides lie back to back
+            return _Plan(descriptor, [], wire.BucketCopy(in_place[0], specs), in_place[1], receiver.epoch)
         shadows = receiver.staging_targets(specs)
         return _Plan(descriptor, [(s["name"], t) for s, t in zip(specs, shadows)], wire.BucketCopy(shadows, specs))
 

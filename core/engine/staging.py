@@ -122,19 +122,25 @@ class Staging:
         self.stage(name, buf, None)
         return buf
 
-    def in_place_span(self, specs: list[wire.Spec]) -> tuple[torch.Tensor, frozenset[str]] | None:
+    def in_place_targets(self, specs: list[wire.Spec]) -> tuple[list[torch.Tensor], frozenset[str]] | None:
         """Where a bucket (which fits the model) is received in place (module docstring): the
-        live tensors of `specs` as one flat tensor, and their canonical names, if every one
-        is unloaded, of the sent dtype, sent once and laid back to back (packing.py). Else
-        None. Nothing is staged: mark_in_place does that once the bytes are written."""
+        live tensors of `specs` (in specs order) and their canonical names, if every one is
+        unloaded, of the sent dtype and sent once. Else None. Nothing is staged: mark_in_place
+        does that once the bytes are written."""
         targets = self.target_map()
         named = [targets[s["name"]] for s in specs]
         canonicals = frozenset(c for c, _ in named)
         if (not specs or len(canonicals) != len(named) or not canonicals <= self.unloaded
                 or any(wire.parse_dtype(s["dtype"]) != live.dtype for s, (_, live) in zip(specs, named))):
             return None
-        flat = wire.span([live.data for _, live in named])
-        return None if flat is None else (flat, canonicals)
+        return [live.data for _, live in named], canonicals
+
+    def in_place_span(self, specs: list[wire.Spec]) -> tuple[torch.Tensor, frozenset[str]] | None:
+        """in_place_targets where the live tensors also lie back to back in specs order
+        (packing.py): them as one flat tensor, to receive a flattened bucket into. Else None."""
+        found = self.in_place_targets(specs)
+        flat = None if found is None else wire.span(found[0])
+        return None if flat is None or found is None else (flat, found[1])
 
     def mark_in_place(self, canonicals: frozenset[str]) -> None:
         """Record in the open session that `canonicals` were received in place: the commit
@@ -197,10 +203,8 @@ class Staging:
     def _copy_staged(self, flat: torch.Tensor, specs: list[wire.Spec]) -> None:
         """Copy `specs` (which fit the model) out of `flat` into staged shadows, or in place
         (module docstring); done on return."""
-        in_place = self.in_place_span(specs)
-        targets = self.target_map()
-        wire.copy_bucket([targets[s["name"]][1].data for s in specs] if in_place else self.staging_targets(specs),
-                         flat, specs)
+        in_place = self.in_place_targets(specs)
+        wire.copy_bucket(in_place[0] if in_place else self.staging_targets(specs), flat, specs)
         if flat.is_cuda:  # the sender rewrites its buffer once this call answers: the copy must be done
             torch.cuda.current_stream(flat.device).synchronize()
         if in_place:

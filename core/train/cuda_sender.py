@@ -1,8 +1,9 @@
 """The trainer's side of milepost's CUDA format (cuda_buffers): a bucket's tensors named in
 CUDA storages that an engine maps once, for WeightSender.to_cuda.
 
-A bucket is read in place where its tensors lie back to back in one storage (packed
-parameters: no copy), else copied into the bucket's reused CUDA buffer. Each storage is
+A bucket is read in place where its tensors lie in one storage (packed parameters, or
+Megatron's staged views of its parameters: no copy), else copied into the bucket's reused CUDA
+buffer. Each storage is
 exported once per reader and kept (an engine maps each export once).
 
 Why plans are kept: tensors sent as they are (no fp8) keep their bucket's plan (where each
@@ -35,12 +36,18 @@ Gather = Callable[[list[str]], list[tuple[wire.Spec, torch.Tensor]]]
 
 
 def packed_placement(pairs: list[tuple[wire.Spec, torch.Tensor]]) -> tuple[torch.Tensor, list[wire.Spec]] | None:
-    """Where a bucket lies in place (packed parameters, wire.span): (the flat span, each spec
-    with its byte offset in the span's storage), or None where its tensors are not back to back."""
-    flat = wire.span([t for _, t in pairs])
-    if flat is None:
+    """Where a bucket lies in place: (a tensor of the one storage its tensors share, each spec
+    with its byte offset in that storage), or None where they are not all contiguous views of
+    one storage. Back to back (packed parameters, wire.span) or not: Megatron's parameters lie
+    in one buffer in megatron's order, not in the bucket's HF order, and the engine reads each
+    tensor at its own offset (one copy of the span where they are back to back)."""
+    if not pairs:
         return None
-    return flat, [{**spec, "offset": t.storage_offset() * t.element_size()} for spec, t in pairs]
+    first = pairs[0][1]
+    base = first.untyped_storage().data_ptr()
+    if not all(t.is_contiguous() and t.untyped_storage().data_ptr() == base for _, t in pairs):
+        return None
+    return first, [{**spec, "offset": t.storage_offset() * t.element_size()} for spec, t in pairs]
 
 
 def signature(tensors: list[torch.Tensor]) -> Signature:
@@ -53,7 +60,7 @@ class CudaBucketPlan:
     """How one bucket goes out."""
     names: tuple[str, ...]
     in_place: bool  # read where the weights lie (packed), else copied into `flat` each push
-    flat: torch.Tensor  # what is exported: the weights' span or the bucket's buffer
+    flat: torch.Tensor  # whose storage is exported: one of the weights (in place) or the bucket buffer
     placed: list[wire.Spec]  # each tensor with its byte offset in flat's storage
     made_for: Signature  # signature() of the tensors planned
     descriptors: dict[int, list[str]] = field(default_factory=dict)  # readers → encoded descriptors

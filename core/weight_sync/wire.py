@@ -249,13 +249,19 @@ class BucketCopy:
         if (into is not None and specs and all(offs[i] + sizes[i] == offs[i + 1] for i in range(len(specs) - 1))
                 and all(parse_dtype(x["dtype"]) == into.dtype for x in specs)):
             self.span = (into.view(torch.uint8), offs[0], offs[0] + sum(sizes))
+        # the views into the last buffer copied from, by its address and size: a caller that
+        # keeps this plan copies from the same mapped storage every push (Python per tensor)
+        self._sources: tuple[tuple[int, int], list[torch.Tensor]] | None = None
 
     def run(self, flat: torch.Tensor) -> None:
         if self.span is not None:
             into, start, end = self.span
             into.copy_(flat[start:end])
             return
-        copy_all(self.targets, [view(flat, int(x["offset"]), x) for x in self.specs])
+        key = (flat.data_ptr(), flat.numel())
+        if self._sources is None or self._sources[0] != key:
+            self._sources = (key, [view(flat, int(x["offset"]), x) for x in self.specs])
+        copy_all(self.targets, self._sources[1])
 
 
 _WIDE = (torch.int64, torch.int32, torch.int16)  # 8-, 4- and 2-byte elements, widest first

@@ -56,13 +56,21 @@ def _receiver(model: torch.nn.Module) -> tuple[WeightReceiver, HandMapped]:
     return receiver, mapped
 
 
-def _payloads(trainer: torch.nn.Module, mapped: HandMapped, bucket_bytes: int, handle: bytes) -> list[str]:
+def _payloads(trainer: torch.nn.Module, mapped: HandMapped, bucket_bytes: int, handle: bytes,
+              reversed_with_gaps: bool = False) -> list[str]:
     """The trainer's weights in one flat storage per push (a bucket buffer), described as
-    WeightSender.to_cuda describes them: one descriptor per bucket."""
+    WeightSender.to_cuda describes them: one descriptor per bucket. `reversed_with_gaps`: the
+    storage holds them in reverse order with 64 bytes between (as megatron-core's DDP buffer
+    holds Megatron's parameters, which its push reads in place)."""
     sender = WeightSender(trainer)
     buckets = sender.buckets(bucket_bytes)
     specs = [s for b in buckets for s in b]
     offsets, total = wire.offsets(specs)
+    if reversed_with_gaps:
+        offsets, total = [], 0
+        for spec in reversed(specs):
+            offsets.insert(0, total)
+            total += wire.spec_nbytes(spec) + 64
     flat = torch.empty(total, dtype=torch.uint8)
     named = dict(sender.named_tensors())
     for spec, offset in zip(specs, offsets):
@@ -259,3 +267,27 @@ def test_the_commit_plan_is_kept_for_the_same_shadows_and_made_again_when_they_c
     _push(receiver, whole, "5")  # in place: nothing to copy, an empty plan
     _push(receiver, whole, "6")  # served again: shadows made anew
     assert _same(engine, trainer) and len(made) == 4
+
+
+def test_a_bucket_scattered_in_the_trainers_storage_is_received_in_place_tensor_by_tensor() -> None:
+    """Megatron's staged views lie in its parameter buffer in megatron's order, not the
+    bucket's: a released push still writes straight into the live weights, each tensor from
+    its own offset; a served push stages them privately as before."""
+    engine, trainer = _model(0), _model(1)
+    receiver, mapped = _receiver(engine)
+    payloads = _payloads(trainer, mapped, 4096, b"ddp-buffer", reversed_with_gaps=True)
+    served = _push(receiver, payloads, "1")
+    several = [i for i, r in enumerate(served) if not r.startswith("staged 1 ")]  # buckets of 2+ tensors
+    assert several and all("tensor by tensor" in served[i] for i in several) and _same(engine, trainer)
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.mul_(-1)
+    _payloads(trainer, mapped, 4096, b"ddp-buffer", reversed_with_gaps=True)  # the trainer's step
+    _resume_unloaded(receiver)
+    names = list(receiver.target_map())
+    assert receiver.begin("")[0] == 200
+    replies = _load(receiver, payloads)
+    assert all("in place" in r for r in replies) and all("tensor by tensor" in replies[i] for i in several)
+    receiver.stage_version("2")
+    assert receiver.end()[0] == 200
+    assert all(receiver.shadow_of(n) is None for n in names) and _same(engine, trainer)
