@@ -107,15 +107,25 @@ def milepost_specs(specs: list[wire.Spec]) -> list[wire.Spec]:
     return [{**s, "name": s["name"].replace(".", "_")} for s in specs]
 
 
-def milepost_trainer(conn, results, specs: list[wire.Spec], bucket_bytes: int, pushes: int, packed: bool,
+def milepost_trainer(conn, results, specs: list[wire.Spec], bucket_bytes: int, pushes: int, layout: str,
                      colocated: bool) -> None:
     """A push as the tensor transport makes it, minus the HTTP: begin, every bucket
     (WeightSender.to_cuda, then the engine's load), then the version and the commit.
-    `colocated`: the engine releases and resumes its weights before each push (untimed)."""
+    `layout`: copied (a storage per tensor), packed (pack_parameters: back to back in the
+    buckets' order) or reversed (one buffer in reverse order, as megatron-core's DDP buffer
+    holds Megatron's parameters). `colocated`: the engine releases and resumes its weights
+    before each push (untimed)."""
     from milepost.core.train.weight_sender import WeightSender, pack_parameters
+    from milepost.core.weight_sync.packing import allocate_packed
     module = _Weights(specs)
-    if packed:
+    if layout == "packed":
         pack_parameters(module)
+    elif layout == "reversed":
+        params = list(module.parameters())[::-1]
+        values = [p.data for p in params]
+        allocate_packed([(p, p.shape, p.dtype) for p in params])
+        for p, v in zip(params, values):
+            p.data.copy_(v)
     sender = WeightSender(module)
     plan = [[s["name"] for s in bucket] for bucket in sender.buckets(bucket_bytes)]
     times, phases = [], {"trainer_to_cuda": 0.0, "engine_round_trips": 0.0}
@@ -252,6 +262,9 @@ ROWS = {  # row → (trainer, engine, how it is described)
     "milepost-copied-colocated": "milepost's CUDA format, colocated (engine weights released and resumed "
                                  "before each push), trainer copies into bucket buffers",
     "milepost-packed-colocated": "milepost's CUDA format, colocated, trainer weights packed (read in place)",
+    "milepost-reversed": "milepost's CUDA format, trainer weights in one buffer in reverse order (Megatron's "
+                         "layout: read in place, tensor by tensor)",
+    "milepost-reversed-colocated": "milepost's CUDA format, colocated, trainer weights in one buffer in reverse order",
 }
 
 
@@ -263,7 +276,7 @@ def push(specs: list[wire.Spec], args: argparse.Namespace, row: str) -> dict:
     if row.startswith("milepost"):
         ours = milepost_specs(specs)
         procs = [ctx.Process(target=milepost_trainer, args=(to_engine, results, ours, bucket_bytes, args.pushes,
-                                                            "packed" in row, row.endswith("colocated"))),
+                                                            row.split("-")[1], row.endswith("colocated"))),
                  ctx.Process(target=milepost_engine, args=(to_trainer, ours, args.pushes))]
     else:
         procs = [ctx.Process(target=trainer, args=(to_engine, results, specs, bucket_bytes, args.pushes)),
@@ -309,9 +322,10 @@ def main() -> None:
     # does, gets the packed row)
     lines.append(f"tensor_sync_vs_copy: {ratio('milepost-copied-colocated'):.3f} (colocated, milepost's CUDA "
                  f"format, weights copied into bucket buffers; packed weights: "
-                 f"{ratio('milepost-packed-colocated'):.3f}; into weights the engine serves (not released): "
-                 f"copied {ratio('milepost-copied'):.3f}, packed {ratio('milepost-packed'):.3f}; SGLang's "
-                 f"format: {ratio('sglang-reopen'):.3f})")
+                 f"{ratio('milepost-packed-colocated'):.3f}; Megatron's layout (one buffer, reverse order): "
+                 f"{ratio('milepost-reversed-colocated'):.3f}; into weights the engine serves (not released): "
+                 f"copied {ratio('milepost-copied'):.3f}, packed {ratio('milepost-packed'):.3f}, reversed "
+                 f"{ratio('milepost-reversed'):.3f}; SGLang's format: {ratio('sglang-reopen'):.3f})")
     emit(lines, args.out)
 
 

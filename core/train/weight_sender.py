@@ -62,6 +62,29 @@ def sweep_stale_buffers() -> None:
                 pass
 
 
+def storage_groups(layout: list[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.Tensor]]]:
+    """`layout` split so that a bucket never mixes storages it need not: the tensors of each
+    storage that holds several of them, in the order they lie in it, then the rest (a storage
+    each, meta tensors computed at send time) in their own order; groups in order of first
+    appearance. Why: a bucket whose tensors share one storage is read where it lies, with no
+    copy (cuda_sender.packed_placement), and Megatron's staged views lie in its parameter
+    buffer in megatron's order, q/k/v in a buffer of their own. Packed HF-order weights (the
+    torch backend) come out in their own order."""
+    def key(t: torch.Tensor) -> tuple[int, int] | None:
+        return None if t.is_meta or not t.numel() else (t.device.index or 0, t.untyped_storage().data_ptr())
+
+    counts: dict[tuple[int, int], int] = {}
+    for _, t in layout:
+        if (k := key(t)) is not None:
+            counts[k] = counts.get(k, 0) + 1
+    groups: dict[tuple[int, int] | None, list[tuple[str, torch.Tensor]]] = {}
+    for name, t in layout:
+        k = key(t)
+        groups.setdefault(k if k is not None and counts[k] > 1 else None, []).append((name, t))
+    return [sorted(g, key=lambda nt: nt[1].storage_offset() * nt[1].element_size()) if k is not None else g
+            for k, g in groups.items()]
+
+
 def source_names(names: list[str], weight_format: str | None) -> list[str]:
     """The trainer's tensors that the sent tensors `names` are computed from: an fp8
     `X.weight_scale_inv` comes from `X.weight` (a backend that stages tensors by name, as
@@ -113,7 +136,9 @@ class WeightSender:
         return out
 
     def buckets(self, bucket_bytes: int) -> list[list[wire.Spec]]:
-        return wire.plan_buckets(self.sent_layout(), bucket_bytes)
+        """The push's buckets: the sent tensors in order, except that tensors sharing a storage
+        go together, in the order they lie in it (storage_groups)."""
+        return [b for group in storage_groups(self.sent_layout()) for b in wire.plan_buckets(group, bucket_bytes)]
 
     def sent_layout(self) -> list[tuple[str, torch.Tensor]]:
         """What a push sends, in order: (name, a tensor of its dtype and shape; a meta tensor

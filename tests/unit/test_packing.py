@@ -1,6 +1,7 @@
 """Copies between packed layouts in few pieces (packing.CopyRuns), a memory resume's packed
 allocation (packing.allocate_packed), and when the trainer keeps a CUDA bucket's plan
-(cuda_sender.CudaBucketPlan.fits). CPU: the layouts and the bytes are the same on a GPU."""
+(cuda_sender.CudaBucketPlan.fits), and which buckets are read where they lie
+(weight_sender.storage_groups, cuda_sender.packed_placement). CPU: the layouts and the bytes are the same on a GPU."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import itertools
 
 import torch
 
-from milepost.core.train.cuda_sender import CudaBucketPlan, signature
+from milepost.core.train.cuda_sender import CudaBucketPlan, packed_placement, signature
+from milepost.core.train.weight_sender import storage_groups
 from milepost.core.weight_sync.packing import CopyRuns, allocate_packed
 
 SHAPES = [(4, 3), (5,), (2, 2, 2), (7, 1)]
@@ -107,3 +109,28 @@ def test_a_kept_plan_fills_its_buffer_with_the_tensors_current_values() -> None:
         assert all(torch.equal(wire.view(plan.flat, s["offset"], s), t) for s, t in zip(plan.placed, tensors))
         for t in tensors:
             t.mul_(-2)  # the train step writes in place: same addresses, the plan still fits
+
+
+def test_tensors_sharing_a_storage_are_bucketed_together_in_the_order_they_lie_in_it() -> None:
+    """Megatron's staged views: its parameter buffer in megatron's order (here reversed), q/k/v
+    in a buffer of their own, and tensors of a storage each keep their order."""
+    params = _packed(SHAPES)[::-1]  # lie in reverse of the sent order
+    qkv = _packed([(3,), (2,)])
+    alone = [torch.zeros(2), torch.zeros(3)]
+    layout = [("p0", params[0]), ("a0", alone[0]), ("q", qkv[0]), ("p1", params[1]), ("k", qkv[1]),
+              ("p2", params[2]), ("a1", alone[1]), ("p3", params[3]), ("meta", torch.empty(4, device="meta"))]
+    groups = [[n for n, _ in g] for g in storage_groups(layout)]
+    assert groups == [["p3", "p2", "p1", "p0"], ["a0", "a1", "meta"], ["q", "k"]]
+    packed = list(zip("wxyz", _packed(SHAPES)))  # packed in the sent order (the torch backend): unchanged
+    assert [[n for n, _ in g] for g in storage_groups(packed)] == [list("wxyz")]
+
+
+def test_a_bucket_is_read_in_place_where_its_tensors_share_one_storage_at_any_offsets() -> None:
+    reversed_params = _packed(SHAPES)[::-1]
+    pairs = [({"name": str(i), "dtype": "float32", "shape": list(t.shape)}, t) for i, t in enumerate(reversed_params)]
+    flat, placed = packed_placement(pairs)  # type: ignore[misc]
+    assert flat.untyped_storage().data_ptr() == reversed_params[0].untyped_storage().data_ptr()
+    assert [p["offset"] for p in placed] == [t.storage_offset() * 4 for t in reversed_params]
+    assert packed_placement(pairs[:2] + [(pairs[2][0], pairs[2][1].clone())]) is None  # another storage
+    wide = torch.zeros(4, 4)
+    assert packed_placement([({"name": "col", "dtype": "float32", "shape": [4, 2]}, wide[:, :2])]) is None

@@ -72,6 +72,7 @@ from milepost.core.train.precision import autocast
 from milepost.core.train.schedule import lr_lambda
 from milepost.core.train.weight_source import SenderRank
 from milepost.core.types import Sample
+from milepost.core.weight_sync.packing import pack_parameters
 
 PG_TIMEOUT = datetime.timedelta(minutes=10)
 log = logging.getLogger(__name__)
@@ -245,6 +246,9 @@ class MegatronRankWorker(SenderRank):
                 log.info("precision.train int4_qat: %d linear layer(s) fake-quantised to int4", len(layers))
         for chunk in chunks:  # norms in the model dtype (megatron's ignore params_dtype), fused if asked
             fusions.swap_norms(chunk, self.dtype, self.cfg.megatron.fuse)
+            # one buffer per dtype, before DDP and the optimizer hold the storages: a weight push
+            # then reads its buckets where they lie (stage_weights' views, storage_groups)
+            pack_parameters(chunk)
         load_hf_into(chunks, self.model_path, self.spec, self.tp_rank, self.tp_size, self.ep_rank)
         if self.spec.num_experts and not self.cfg.megatron.sequence_parallel:
             moe_tp.allow_tp_without_sequence_parallel(chunks, self.tp_size)  # replicated tokens (moe_tp.py)
@@ -575,6 +579,26 @@ class MegatronRankWorker(SenderRank):
                     if views and mapping.kind == "qkv":
                         kept[n] = full
         self._staged = staged
+        if views:
+            self._pack_kept_qkv()
+
+    def _pack_kept_qkv(self) -> None:
+        """Lay the kept q/k/v tensors out back to back in one buffer per dtype (once: later
+        pushes write into them), so their buckets are read in place too (storage_groups)."""
+        kept = self._kept_qkv
+        storages: dict[torch.dtype, set[int]] = {}
+        for t in kept.values():
+            storages.setdefault(t.dtype, set()).add(t.untyped_storage().data_ptr())
+        for dtype in [d for d, ptrs in storages.items() if len(ptrs) > 1]:
+            names = [n for n, t in kept.items() if t.dtype == dtype]
+            buf, pos = torch.empty(sum(kept[n].numel() for n in names), dtype=dtype, device=kept[names[0]].device), 0
+            for n in names:
+                view = buf[pos:pos + kept[n].numel()].view(kept[n].shape)
+                view.copy_(kept[n])
+                pos += view.numel()
+                kept[n] = view
+                if n in self._staged:
+                    self._staged[n] = view
 
     def _weight_sender(self) -> Any:
         if getattr(self, "_sender", None) is None:
