@@ -54,11 +54,11 @@ elif [ "$call" = sync ]; then
   # the CUDA format's kept plans, the engine's packed weights and its memory release, first (correctness)
   step gpu_sync_tests 120 python3 -m pytest -q -m gpu tests/gpu/test_cuda_buffers_gpu.py tests/gpu/test_engine_gpu.py -s
   # the mechanism without HTTP at the 1.7 B and the 0.5 B shapes (the issue's figure: the 1.7 B one)
-  step cuda_ipc_sync_3gb 120 python3 bench/cuda_ipc_sync.py --params-gb 3.4 --bucket-mb 1024 --pushes 6 \
+  step cuda_ipc_sync_3gb 160 python3 bench/cuda_ipc_sync.py --params-gb 3.4 --bucket-mb 1024 --pushes 6 \
       --out "$OUT/cuda_ipc_sync_3gb.txt"
-  step cuda_ipc_sync 90 python3 bench/cuda_ipc_sync.py --pushes 6 --out "$OUT/cuda_ipc_sync.txt"
   # Megatron's staging at TP=1: copies against views of the parameters, each whole push timed (~30 s)
   step megatron_stage 60 python3 bench/megatron_stage.py --out "$OUT/megatron_stage_gpu.txt"
+  step cuda_ipc_sync 100 python3 bench/cuda_ipc_sync.py --pushes 6 --out "$OUT/cuda_ipc_sync.txt"
   if [ -z "${SYNC_MECHANISM_ONLY:-}" ]; then  # SYNC_MECHANISM_ONLY=1: the tests and cuda_ipc_sync only (~150 s)
     # the trainer's copy into bucket buffers, by the ways there are (issue 18: most of a copied push)
     step bucket_fill 45 python3 bench/bucket_fill.py --out "$OUT/bucket_fill_gpu.txt"
