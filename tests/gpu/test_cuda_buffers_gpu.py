@@ -48,9 +48,24 @@ def _outputs(client) -> list[list[int]]:
     return [o["output_ids"] for o in client.generate(PROMPTS, GREEDY)]
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["copied-into-buckets", "packed-read-in-place"])
-def test_a_push_by_cuda_storages_serves_what_a_disk_load_serves(served, packed) -> None:
+def _laid_out(model: torch.nn.Module, layout: str) -> torch.nn.Module:
+    """copied: a storage per tensor (as built); packed: back to back in state-dict order (the
+    torch backend); reversed: one buffer in reverse order (Megatron's DDP buffer)."""
     from milepost.core.train.weight_sender import pack_parameters
+    from milepost.core.weight_sync.packing import allocate_packed
+    if layout == "packed":
+        pack_parameters(model)
+    elif layout == "reversed":
+        params = list(model.parameters())[::-1]
+        values = [p.data for p in params]
+        allocate_packed([(p, p.shape, p.dtype) for p in params])
+        for p, v in zip(params, values):
+            p.data.copy_(v)
+    return model
+
+
+@pytest.mark.parametrize("layout", ["copied", "packed", "reversed"])
+def test_a_push_by_cuda_storages_serves_what_a_disk_load_serves(served, layout) -> None:
     from milepost.core.train.weight_source import InProcessWeightSource
     from milepost.core.weight_sync import TensorTransport
     root, client = served
@@ -59,10 +74,7 @@ def test_a_push_by_cuda_storages_serves_what_a_disk_load_serves(served, packed) 
     want = _outputs(client)
     client.update_weights_from_disk(str(root / "v0"), weight_version="disk-v0")
     assert _outputs(client) != want
-    trainer = _model(1)
-    if packed:
-        pack_parameters(trainer)  # one span per dtype: buckets are read where the weights lie
-    source = InProcessWeightSource(trainer)
+    source = InProcessWeightSource(_laid_out(_model(1), layout))
     transport = TensorTransport(timeout_s=120, bucket_mb=16)
     try:
         for version in ("1", "2"):
@@ -71,7 +83,7 @@ def test_a_push_by_cuda_storages_serves_what_a_disk_load_serves(served, packed) 
             assert client.model_info()["weight_version"] == version
             assert _outputs(client) == want
         buffers = source.rank._weight_sender().cuda.buffers
-        assert (len(buffers) == 0) == packed  # packed: no staging copy on the trainer
+        assert (len(buffers) == 0) == (layout != "copied")  # one storage: no staging copy on the trainer
     finally:
         transport.close()
 
@@ -102,15 +114,17 @@ def test_each_trainer_storage_is_mapped_once_and_kept_across_a_memory_release_wh
     sender.release()
 
 
-def test_a_colocated_push_fills_the_resumed_weights_in_place(served) -> None:
+@pytest.mark.parametrize("layout", ["copied", "reversed"])
+def test_a_colocated_push_fills_the_resumed_weights_in_place(served, layout) -> None:
     """Colocated placement releases and resumes the weights around each trainer step: the push
     that follows goes straight into the resumed weights (no shadow allocated, nothing copied at
-    the commit) and the engine serves exactly those weights."""
+    the commit) and the engine serves exactly those weights. Reversed: the trainer's weights in
+    one buffer in another order than the engine's (Megatron's), each tensor read where it lies."""
     from milepost.core.train.weight_sender import WeightSender
     root, client = served
     client.update_weights_from_disk(str(root / "v1"), weight_version="disk-v1")
     want = _outputs(client)
-    sender = WeightSender(_model(1))
+    sender = WeightSender(_laid_out(_model(1), layout))
     plan = [[s["name"] for s in bucket] for bucket in sender.buckets(16 << 20)]
     weight_bytes = sum(t.numel() * t.element_size() for t in sender.module.state_dict().values())
 
@@ -127,8 +141,9 @@ def test_a_colocated_push_fills_the_resumed_weights_in_place(served) -> None:
     client.resume_memory_occupation()
     torch.cuda.synchronize()
     free_resumed = torch.cuda.mem_get_info()[0]
-    push("colocated")
+    replies = push("colocated")
     taken = free_resumed - torch.cuda.mem_get_info()[0]
+    assert all("in place" in r for r in replies), replies
     assert taken < weight_bytes / 2, f"the push took {taken} bytes of device memory (weights: {weight_bytes})"
     assert client.model_info()["weight_version"] == "colocated"
     assert _outputs(client) == want
