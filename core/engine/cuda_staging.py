@@ -50,7 +50,7 @@ class _Plan:
     descriptor: dict[str, Any]  # checked by cuda_buffers.decode_descriptor and against the model; read-only
     staged: list[tuple[str, torch.Tensor]]  # (name, the shadow it is copied into), in specs order
     copy: wire.BucketCopy
-    in_place: frozenset[str] = frozenset()  # received in place (staging.py): these canonical names, no shadows
+    in_place: tuple[str, ...] = ()  # received in place (staging.py): these canonical names, no shadows
     epoch: int = 0  # the receiver's epoch when planned: an in-place plan holds live tensors' memory
 
 
@@ -104,7 +104,7 @@ class CudaStaging:
             self.receiver.mark_in_place(plan.in_place)
         where = f"{len(plan.in_place)} tensors in place" if plan.in_place else f"{len(plan.staged)} tensors"
         return (f"staged {where} from a mapped trainer storage "
-                f"({len(self.mapped)} mapped; copied {'as one span' if plan.copy.span else 'tensor by tensor'}; "
+                f"({len(self.mapped)} mapped; copied {plan.copy.describe()}; "
                 f"{'plan reused' if reused else 'planned'})")
 
     def _descriptor(self, payload: str, body: Any) -> dict[str, Any]:
@@ -141,7 +141,7 @@ class CudaStaging:
         it (staging.py), else into staged shadows."""
         receiver, specs = self.receiver, descriptor["tensors"]
         in_place = receiver.in_place_targets(specs)
-        if in_place is not None:  # one copy of the span where both sides lie back to back
+        if in_place is not None:  # a copy per run that lies back to back on both sides
             return _Plan(descriptor, [], wire.BucketCopy(in_place[0], specs), in_place[1], receiver.epoch)
         shadows = receiver.staging_targets(specs)
         return _Plan(descriptor, [(s["name"], t) for s, t in zip(specs, shadows)], wire.BucketCopy(shadows, specs))
@@ -150,7 +150,7 @@ class CudaStaging:
         """An in-place plan: while its tensors stay where they were and unloaded; else while
         every shadow it copies into is still the receiver's."""
         if plan.in_place:
-            return plan.epoch == self.receiver.epoch and plan.in_place <= self.receiver.unloaded
+            return plan.epoch == self.receiver.epoch and self.receiver.unloaded.issuperset(plan.in_place)
         return all(self.receiver.shadow_of(name) is t for name, t in plan.staged)
 
     def clear(self) -> int:

@@ -44,6 +44,9 @@ class Session:
     # canonical name → (tensor to swap in, lease on the shm file it lives in, or None)
     staged: dict[str, tuple[torch.Tensor, Lease | None]] = field(default_factory=dict)
     in_place: set[str] = field(default_factory=set)  # canonical names received in place (module docstring)
+    # canonical names in the order they were received (staged or in place): a memory resume
+    # lays the weights out in the last committed push's order (WeightReceiver.drop_weights)
+    order: dict[str, None] = field(default_factory=dict)
     version: str | None = None
     failed: str | None = None
 
@@ -107,6 +110,7 @@ class Staging:
                 if previous is not None and previous[1] is not None:
                     previous[1].release()
                 session.staged[canonical] = (tensor, lease)
+                session.order[canonical] = None
 
     def shadow_of(self, name: str) -> torch.Tensor | None:
         """The private shadow that `name` is staged into now, if any."""
@@ -122,27 +126,27 @@ class Staging:
         self.stage(name, buf, None)
         return buf
 
-    def in_place_targets(self, specs: list[wire.Spec]) -> tuple[list[torch.Tensor], frozenset[str]] | None:
+    def in_place_targets(self, specs: list[wire.Spec]) -> tuple[list[torch.Tensor], tuple[str, ...]] | None:
         """Where a bucket (which fits the model) is received in place (module docstring): the
-        live tensors of `specs` (in specs order) and their canonical names, if every one is
+        live tensors of `specs` and their canonical names (in specs order), if every one is
         unloaded, of the sent dtype and sent once. Else None. Nothing is staged: mark_in_place
         does that once the bytes are written."""
         targets = self.target_map()
         named = [targets[s["name"]] for s in specs]
-        canonicals = frozenset(c for c, _ in named)
-        if (not specs or len(canonicals) != len(named) or not canonicals <= self.unloaded
+        canonicals = tuple(c for c, _ in named)
+        if (not specs or len(set(canonicals)) != len(named) or not self.unloaded.issuperset(canonicals)
                 or any(wire.parse_dtype(s["dtype"]) != live.dtype for s, (_, live) in zip(specs, named))):
             return None
         return [live.data for _, live in named], canonicals
 
-    def in_place_span(self, specs: list[wire.Spec]) -> tuple[torch.Tensor, frozenset[str]] | None:
+    def in_place_span(self, specs: list[wire.Spec]) -> tuple[torch.Tensor, tuple[str, ...]] | None:
         """in_place_targets where the live tensors also lie back to back in specs order
         (packing.py): them as one flat tensor, to receive a flattened bucket into. Else None."""
         found = self.in_place_targets(specs)
         flat = None if found is None else wire.span(found[0])
         return None if flat is None or found is None else (flat, found[1])
 
-    def mark_in_place(self, canonicals: frozenset[str]) -> None:
+    def mark_in_place(self, canonicals: tuple[str, ...]) -> None:
         """Record in the open session that `canonicals` were received in place: the commit
         marks them loaded. A private tensor staged for one earlier is dropped (the live
         tensor now holds newer bytes); one staged later still goes in at the commit."""
@@ -150,8 +154,9 @@ class Staging:
             session = self._session
             if session is None:
                 raise UpdateRejected("the session ended during the update")
-            session.in_place |= canonicals
-            for canonical in canonicals & session.staged.keys():
+            session.in_place.update(canonicals)
+            session.order.update(dict.fromkeys(canonicals))
+            for canonical in session.staged.keys() & set(canonicals):
                 _, lease = session.staged.pop(canonical)
                 if lease is not None:
                     lease.release()

@@ -48,13 +48,6 @@ def allocate_packed(tensors: list[tuple[torch.Tensor, torch.Size, torch.dtype]],
             pos += shape.numel()
 
 
-def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Does `b` start where `a` ends, in the same storage, both contiguous and of one dtype?"""
-    return (a.dtype == b.dtype and a.is_contiguous() and b.is_contiguous()
-            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-            and b.storage_offset() == a.storage_offset() + a.numel())
-
-
 class CopyRuns:
     """targets[i] <- sources[i] for every i, planned as few copies as the two layouts allow:
     each run of pairs that lie back to back on both sides (one dtype) is one copy of its
@@ -67,8 +60,8 @@ class CopyRuns:
         i, n = 0, len(targets)
         while i < n:
             j = i + 1
-            while (j < n and targets[i].dtype == sources[i].dtype and _follows(targets[j - 1], targets[j])
-                   and _follows(sources[j - 1], sources[j])):
+            while (j < n and targets[i].dtype == sources[i].dtype and wire.adjacent(targets[j - 1], targets[j])
+                   and wire.adjacent(sources[j - 1], sources[j])):
                 j += 1
             into, out_of = wire.span(targets[i:j]), wire.span(sources[i:j])
             if j - i > 1 and into is not None and out_of is not None:

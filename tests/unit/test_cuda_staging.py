@@ -57,13 +57,16 @@ def _receiver(model: torch.nn.Module) -> tuple[WeightReceiver, HandMapped]:
 
 
 def _payloads(trainer: torch.nn.Module, mapped: HandMapped, bucket_bytes: int, handle: bytes,
-              reversed_with_gaps: bool = False) -> list[str]:
+              reversed_with_gaps: bool = False, sent_reversed: bool = False) -> list[str]:
     """The trainer's weights in one flat storage per push (a bucket buffer), described as
     WeightSender.to_cuda describes them: one descriptor per bucket. `reversed_with_gaps`: the
     storage holds them in reverse order with 64 bytes between (as megatron-core's DDP buffer
-    holds Megatron's parameters, which its push reads in place)."""
+    holds Megatron's parameters, which its push reads in place). `sent_reversed`: the buckets
+    name the tensors in reverse of the model's order (a trainer whose storage is in another
+    order than the engine's: Megatron's), back to back in the storage in that order."""
     sender = WeightSender(trainer)
-    buckets = sender.buckets(bucket_bytes)
+    buckets = (wire.plan_buckets(sender.named_tensors()[::-1], bucket_bytes) if sent_reversed
+               else sender.buckets(bucket_bytes))
     specs = [s for b in buckets for s in b]
     offsets, total = wire.offsets(specs)
     if reversed_with_gaps:
@@ -291,3 +294,26 @@ def test_a_bucket_scattered_in_the_trainers_storage_is_received_in_place_tensor_
     receiver.stage_version("2")
     assert receiver.end()[0] == 200
     assert all(receiver.shadow_of(n) is None for n in names) and _same(engine, trainer)
+
+
+def test_a_resume_lays_the_weights_out_in_the_last_pushs_order_so_the_next_push_copies_spans() -> None:
+    """The trainer sends in another order than the model's: a served push stages into shadows
+    laid out in the sent order (one span a bucket); after a release and resume the weights lie
+    in that order too, so the push into them is one span a bucket, not a copy per tensor."""
+    engine, trainer = _model(0), _model(1)
+    receiver, mapped = _receiver(engine)
+    payloads = _payloads(trainer, mapped, 4096, b"megatron-order", sent_reversed=True)
+    several = [i for i, p in enumerate(payloads) if len(receiver.cuda._descriptor(p, None)["tensors"]) > 1]
+    assert several
+    assert all("as one span" in r for r in _push(receiver, payloads, "1"))
+    _resume_unloaded(receiver)
+    assert receiver.begin("")[0] == 200
+    replies = _load(receiver, payloads)
+    receiver.stage_version("2")
+    assert receiver.end()[0] == 200
+    assert all("in place" in r and "as one span" in r for r in replies), replies
+    assert _same(engine, trainer)
+    targets = receiver.target_map()
+    lives = [live.data for name, (canonical, live) in targets.items() if name == canonical]
+    assert not wire.adjacent(lives[0], lives[1])  # no longer in the model's order ...
+    assert all(wire.adjacent(later, earlier) for earlier, later in zip(lives, lives[1:]))  # ... but in the sent one
