@@ -1,19 +1,20 @@
-"""The Megatron trainer's side of a weight push, staged as copies (to_hf's default) and as views
-of the parameters (what `stage_weights` does at TP=1), side by side in one run.
+"""The Megatron trainer's side of a weight push, staged as copies (the staging before views) and
+by push_staging.PushStaging (what `stage_weights` runs at TP=1), side by side in one run.
 
 Why: Megatron's weights are not in HF layout, so a push first stages HF tensors from the
-parameters (core/train/megatron/worker.py: stage_weights). Staged as copies, that is two
-copies of most of the model (a concatenation of one shard, a clone), and new addresses each
-push, so the CUDA sender plans every bucket again (core/train/cuda_sender.py). Staged as views
-only q/k/v are copied (strided in the fused tensor), into the last push's tensors.
+parameters (core/train/megatron/push_staging.py). Staged as copies, that is two copies of most
+of the model (a concatenation of one shard, a clone) at new addresses each push, so the CUDA
+sender plans every bucket again (core/train/cuda_sender.py), and every parameter is visited for
+every bucket. Staged as views only q/k/v are copied (strided in the fused tensor), into the
+last push's tensors, and a bucket visits only its own parameters.
 
 The parameters are made as megatron-core's DDP buffer holds them: one contiguous bf16 buffer,
 in reverse order of the model's parameters, Qwen3-1.7B-shaped (28 layers, tied embedding).
 A push is what the worker does: stage every HF tensor (to plan the buckets), then for each 1 GB
 bucket stage its names and (on a GPU) WeightSender.to_cuda (the copy into the bucket buffer,
-the export), each push synchronised. Printed: each way's
-push time, the views' speed-up over copies, and each against one device copy of the model's
-bytes (the floor of a copied push's trainer side). On a CPU only the staging is timed.
+the export), each push synchronised. Printed: each way's push time, the views' speed-up over
+copies, and each against one device copy of the model's bytes. On a CPU only the staging is
+timed.
 
     python bench/megatron_stage.py [--layers 28] [--pushes 6] [--out FILE]
 """
@@ -34,6 +35,7 @@ from cuda_ipc_sync import device_copy_s, emit
 
 from milepost.core.train.megatron.converter import mapping_for, to_hf
 from milepost.core.train.megatron.model import ModelSpec
+from milepost.core.train.megatron.push_staging import PushStaging, Source
 from milepost.core.train.weight_sender import WeightSender
 
 RESULTS = Path(__file__).parent / "results"
@@ -73,21 +75,17 @@ def ddp_buffer_params(shapes: list[tuple[str, tuple[int, ...]]], device: str) ->
     return params
 
 
-def stage(params: dict[str, torch.Tensor], spec: ModelSpec, views: bool, kept: dict[str, torch.Tensor],
-          wanted: set[str] | None = None) -> dict[str, torch.Tensor]:
-    """stage_weights at TP=1 for the HF names `wanted` (all when None); `kept`: q/k/v staged
-    last, by name (as the worker keeps them across buckets)."""
+def stage_copies(sources: list[Source], spec: ModelSpec, wanted: set[str] | None) -> dict[str, torch.Tensor]:
+    """The staging before views (the baseline): every parameter visited, each HF tensor of the
+    wanted ones made by to_hf's default (copies)."""
     staged: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        for name, param in params.items():
-            mapping = mapping_for(name, spec)
-            if wanted is not None and not wanted.intersection(mapping.hf_names):
+        for source in sources:
+            if wanted is not None and not wanted.intersection(source.mapping.hf_names):
                 continue
-            for n, full in to_hf(mapping, [param], spec, views=views, reuse=kept):
+            for n, full in to_hf(source.mapping, [source.param], spec):
                 if wanted is None or n in wanted:
                     staged[n] = full
-                if views and mapping.kind == "qkv":
-                    kept[n] = full
     return staged
 
 
@@ -100,11 +98,12 @@ class Staged(torch.nn.Module):
         return self.staged
 
 
-def pushes(params: dict[str, torch.Tensor], spec: ModelSpec, views: bool, count: int,
+def pushes(sources: list[Source], spec: ModelSpec, views: bool, count: int,
            bucket_bytes: int) -> tuple[list[float], list[float]]:
     """(stage seconds, whole push seconds) of each push. A push stages as the worker does: the
     whole model (to plan the buckets), then each bucket's names before its to_cuda."""
-    module, cuda, kept = Staged(), next(iter(params.values())).is_cuda, {}
+    module, cuda = Staged(), sources[0].param.is_cuda
+    staging = PushStaging(sources, spec, None)  # what the worker runs at TP=1
     sender = WeightSender(module)
     stage_s, push_s = [], []
 
@@ -113,18 +112,21 @@ def pushes(params: dict[str, torch.Tensor], spec: ModelSpec, views: bool, count:
             torch.cuda.synchronize()
         return time.perf_counter()
 
+    def stage(wanted: set[str] | None) -> dict[str, torch.Tensor]:
+        return staging.stage(wanted) if views else stage_copies(sources, spec, wanted)
+
     for _ in range(count):
         start = sync()
-        module.staged = stage(params, spec, views, kept)
-        staging = sync() - start
+        module.staged = stage(None)
+        staged_s = sync() - start
         for i, bucket in enumerate(sender.buckets(bucket_bytes)):
             names = [s["name"] for s in bucket]
             begun = sync()
-            module.staged = stage(params, spec, views, kept, set(names))
-            staging += sync() - begun
+            module.staged = stage(set(names))
+            staged_s += sync() - begun
             if cuda:
                 sender.to_cuda(names, i)
-        stage_s.append(staging)
+        stage_s.append(staged_s)
         push_s.append(sync() - start)
     sender.release()
     return stage_s, push_s
@@ -140,6 +142,7 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     spec = qwen3_spec(args.layers)
     params = ddp_buffer_params(megatron_shapes(spec), device)
+    sources = [Source(name, mapping_for(name, spec), t) for name, t in params.items()]
     nbytes = sum(t.numel() * t.element_size() for t in params.values())
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     lines = [f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {name}, torch {torch.__version__}: "
@@ -149,10 +152,11 @@ def main() -> None:
     lines.append(f"device copy of the same bytes: {copy_s * 1e3:.2f} ms")
     means = {}
     for views in (False, True):
-        stage_s, push_s = pushes(params, spec, views, args.pushes, args.bucket_mb << 20)
+        stage_s, push_s = pushes(sources, spec, views, args.pushes, args.bucket_mb << 20)
         later = slice(1, None)  # the first push allocates and plans
         means[views] = (statistics.mean(stage_s[later]), statistics.mean(push_s[later]))
-        way = "views (stage_weights at TP=1)" if views else "copies (to_hf's default)"
+        way = ("views (push_staging.PushStaging at TP=1)" if views
+               else "copies (to_hf's default, every parameter visited)")
         pushed = f", whole push {means[views][1] * 1e3:.2f} ms (vs device copy {copy_s / means[views][1]:.3f})" \
             if device == "cuda" else ""
         lines.append(f"staged as {way}: stage {means[views][0] * 1e3:.2f} ms{pushed} "

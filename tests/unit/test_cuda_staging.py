@@ -7,6 +7,7 @@ made again when they moved, dropped when stale or on a memory release."""
 from __future__ import annotations
 
 import base64
+import itertools
 import threading
 from types import SimpleNamespace
 
@@ -316,4 +317,4 @@ def test_a_resume_lays_the_weights_out_in_the_last_pushs_order_so_the_next_push_
     targets = receiver.target_map()
     lives = [live.data for name, (canonical, live) in targets.items() if name == canonical]
     assert not wire.adjacent(lives[0], lives[1])  # no longer in the model's order ...
-    assert all(wire.adjacent(later, earlier) for earlier, later in zip(lives, lives[1:]))  # ... but in the sent one
+    assert all(wire.adjacent(later, earlier) for earlier, later in itertools.pairwise(lives))  # ... but the sent one

@@ -53,6 +53,7 @@ from milepost.core.train.megatron.model import (
     spec_from_hf_config,
     transformer_config,
 )
+from milepost.core.train.megatron.push_staging import PushStaging, Source
 from milepost.core.train.megatron.step import (
     MicroBatch,
     build_micro_batches,
@@ -121,9 +122,7 @@ class MegatronRankWorker(SenderRank):
         self.cfg, self.algo, self.temperature, self.seed = train_cfg, algo_cfg, temperature, seed
         self.lr_mult = lr_lambda(train_cfg.lr_schedule, train_cfg.warmup_steps, total_steps)
         self.sched_step = 0
-        # weight sync at TP=1: q/k/v staged last, by name (stage_weights writes them again in
-        # place; each bucket stages only its own names, so `_staged` holds one bucket's)
-        self._kept_qkv: dict[str, torch.Tensor] = {}
+        self._push_staging: PushStaging | None = None  # weight sync: made at the first push
 
     def free_port(self) -> int:
         import socket
@@ -543,62 +542,27 @@ class MegatronRankWorker(SenderRank):
     def stage_weights(self, names: list[str] | None) -> None:
         """Gather the HF tensors `names` (all when None) of this stage onto this rank; only the
         megatron tensors that make them are all-gathered over TP (per bucket, not the model).
-        At TP=1 the staged tensors are views of the parameters where the layouts allow and
-        q/k/v are written into the last push's tensors (to_hf's `views`): no copy of most of
-        the model, and the same addresses every push, so the sender keeps its plans. A view
-        reads the live parameters: the push sends before the next optimizer step (the worker
-        runs one call at a time)."""
+        At TP=1 they are views of the parameters, q/k/v kept in a buffer of their own
+        (push_staging.py says why and what holds)."""
+        from milepost.core.train.weight_sender import source_names
+        if self._push_staging is None:
+            self._push_staging = self._make_push_staging()
+        # the sent names (fp8: scales too) -> the weights they are computed from
+        self._staged = self._push_staging.stage(None if names is None else set(source_names(names, self.weight_format)))
+
+    def _make_push_staging(self) -> PushStaging:
         from megatron.core import parallel_state as ps
 
-        from milepost.core.train.megatron.converter import (
-            global_names,
-            mapping_for,
-            to_hf,
-        )
-        from milepost.core.train.weight_sender import source_names
-        # the sent names (fp8: scales too) -> the weights they are computed from
-        wanted = None if names is None else set(source_names(names, self.weight_format))
-        staged: dict[str, torch.Tensor] = {}
-        kept, views = self._kept_qkv, self.tp_size == 1
-        for chunk in self.model:
-            for _, name, param in global_names(chunk.module, self.ep_rank):
-                mapping = mapping_for(name, self.spec)
-                if name == "output_layer.weight" and self.spec.tie_embeddings:
-                    continue
-                if wanted is not None and not wanted.intersection(mapping.hf_names):
-                    continue
-                t = param.detach()
-                if mapping.kind == "replicated" or self.tp_size == 1:
-                    shards = [t]
-                else:
-                    shards = [torch.empty_like(t) for _ in range(self.tp_size)]
-                    dist.all_gather(shards, t.contiguous(), group=ps.get_tensor_model_parallel_group())
-                for n, full in to_hf(mapping, shards, self.spec, views=views, reuse=kept):
-                    if wanted is None or n in wanted:
-                        staged[n] = full
-                    if views and mapping.kind == "qkv":
-                        kept[n] = full
-        self._staged = staged
-        if views:
-            self._pack_kept_qkv()
+        from milepost.core.train.megatron.converter import global_names, mapping_for
 
-    def _pack_kept_qkv(self) -> None:
-        """Lay the kept q/k/v tensors out back to back in one buffer per dtype (once: later
-        pushes write into them), so their buckets are read in place too (storage_groups)."""
-        kept = self._kept_qkv
-        storages: dict[torch.dtype, set[int]] = {}
-        for t in kept.values():
-            storages.setdefault(t.dtype, set()).add(t.untyped_storage().data_ptr())
-        for dtype in [d for d, ptrs in storages.items() if len(ptrs) > 1]:
-            names = [n for n, t in kept.items() if t.dtype == dtype]
-            buf, pos = torch.empty(sum(kept[n].numel() for n in names), dtype=dtype, device=kept[names[0]].device), 0
-            for n in names:
-                view = buf[pos:pos + kept[n].numel()].view(kept[n].shape)
-                view.copy_(kept[n])
-                pos += view.numel()
-                kept[n] = view
-                if n in self._staged:
-                    self._staged[n] = view
+        def gather(t: torch.Tensor) -> list[torch.Tensor]:
+            shards = [torch.empty_like(t) for _ in range(self.tp_size)]
+            dist.all_gather(shards, t.contiguous(), group=ps.get_tensor_model_parallel_group())
+            return shards
+        sources = [Source(name, mapping_for(name, self.spec), param)
+                   for chunk in self.model for _, name, param in global_names(chunk.module, self.ep_rank)
+                   if not (name == "output_layer.weight" and self.spec.tie_embeddings)]
+        return PushStaging(sources, self.spec, None if self.tp_size == 1 else gather)
 
     def _weight_sender(self) -> Any:
         if getattr(self, "_sender", None) is None:
