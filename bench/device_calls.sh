@@ -7,7 +7,8 @@
 #   source bench/device_calls.sh sync      the CUDA-format GPU tests, the CUDA-IPC push mechanism, GPU weight sync over HTTP
 #                                          (on a two-GPU kind, e.g. nvidia-h100-x2, also NCCL to an engine on the second GPU);
 #                                          SYNC_ROLLOUT=1: rollout precision too; SYNC_MECHANISM_ONLY=1: the tests,
-#                                          bench/cuda_ipc_sync.py and megatron_stage.py only (~200 s with the install)
+#                                          bench/cuda_ipc_sync.py and megatron_stage.py only (~170 s with the install);
+#                                          SYNC_3GB_ONLY=1: cuda_ipc_sync at the 3.4 GB size only (~130 s)
 #   source bench/device_calls.sh tests     the GPU tests, warm-start speed
 # Everything a call writes comes back in $OUT/results.tgz (and $OUT/steps.txt).
 call=${1:?arith, figures, sync or tests}
@@ -58,7 +59,7 @@ elif [ "$call" = sync ]; then
       --out "$OUT/cuda_ipc_sync_3gb.txt"
   # Megatron's staging at TP=1: copies against views of the parameters, each whole push timed (~30 s)
   step megatron_stage 60 python3 bench/megatron_stage.py --out "$OUT/megatron_stage_gpu.txt"
-  step cuda_ipc_sync 100 python3 bench/cuda_ipc_sync.py --pushes 6 --out "$OUT/cuda_ipc_sync.txt"
+  [ -z "${SYNC_3GB_ONLY:-}" ] && step cuda_ipc_sync 100 python3 bench/cuda_ipc_sync.py --pushes 6 --out "$OUT/cuda_ipc_sync.txt"
   if [ -z "${SYNC_MECHANISM_ONLY:-}" ]; then  # SYNC_MECHANISM_ONLY=1: the tests and cuda_ipc_sync only (~150 s)
     # the trainer's copy into bucket buffers, by the ways there are (issue 18: most of a copied push)
     step bucket_fill 45 python3 bench/bucket_fill.py --out "$OUT/bucket_fill_gpu.txt"
