@@ -149,7 +149,8 @@ class WeightReceiver(Staging):
                 if canonical not in copied:
                     self._swap_in(canonical, tensor, lease)
             self.sched.weight_version = version
-            self._push_order = list(s.order)
+            if len(s.order) == len(self._canonicals()):  # a whole push: a subset's order says little
+                self._push_order = list(s.order)
         finally:
             self.sched.model_lock.release()
         return 200, f"committed {len(s.staged.keys() | s.in_place)} tensors as weight_version {s.version}"
@@ -284,16 +285,20 @@ class WeightReceiver(Staging):
             return shapes
 
     def _resume_order(self) -> list[str]:
-        """Every canonical name, in the order the last committed push sent them (then any it did
-        not send, in the model's order): allocate_weights lays the weights out in this order.
+        """Every canonical name, in the order the last committed push of every tensor sent them
+        (the model's order before one): allocate_weights lays the weights out in this order.
         Why: the next push (colocated placement's, into the resumed weights) then writes each
         run of its buckets as one span copy (wire.BucketCopy) where the trainer's order is not
         the model's (Megatron's); on the lent H100 a 3.4 GB push written tensor by tensor into
         resumed weights took 10.1 ms, as spans 5.2 ms (bench/results/cuda_ipc_sync_3gb.txt)."""
-        canonicals = [name for name, (canonical, _) in self.target_map().items() if name == canonical]
+        canonicals = self._canonicals()
         known = set(canonicals)
         sent = [c for c in self._push_order if c in known]
         return sent + [c for c in canonicals if c not in set(sent)]
+
+    def _canonicals(self) -> list[str]:
+        """Every canonical name (a tied tensor once), in the model's order."""
+        return [name for name, (canonical, _) in self.target_map().items() if name == canonical]
 
     def allocate_weights(self, shapes: dict[str, tuple[torch.Size, torch.dtype]]) -> None:
         """Give every dropped tensor uninitialised memory again; each stays in `unloaded`
