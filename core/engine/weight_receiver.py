@@ -73,7 +73,7 @@ class WeightReceiver(Staging):
         self.cuda = CudaStaging(self)  # milepost's CUDA format: trainer storages mapped once, reads planned once
         self.groups = GroupReceiver(self)  # the distributed transport's side
         self.unloaded: set[str] = set()  # canonical names allocated by a memory resume, not yet loaded
-        self._push_order: list[str] = []  # canonical names as the last committed push sent them (_resume_order)
+        self._push_order: list[str] = []  # canonical names as the last whole committed push sent them (_resume_order)
         self.epoch = 0  # bumped whenever a live tensor's storage is replaced (fast_path.ContinuousDriver)
         self.generation = 0  # bumped (under model_lock) whenever live weights may change: swap, copy, release, allocate
 
@@ -289,8 +289,9 @@ class WeightReceiver(Staging):
         (the model's order before one): allocate_weights lays the weights out in this order.
         Why: the next push (colocated placement's, into the resumed weights) then writes each
         run of its buckets as one span copy (wire.BucketCopy) where the trainer's order is not
-        the model's (Megatron's); on the lent H100 a 3.4 GB push written tensor by tensor into
-        resumed weights took 10.1 ms, as spans 5.2 ms (bench/results/cuda_ipc_sync_3gb.txt)."""
+        the model's (Megatron's). On the lent H100 a 3.4 GB push in Megatron's order written
+        tensor by tensor into resumed weights took 10.1 ms; one in the model's order, one span a
+        bucket, 5.2 ms (bench/results/cuda_ipc_sync_3gb.txt; this order not yet timed there)."""
         canonicals = self._canonicals()
         known = set(canonicals)
         sent = [c for c in self._push_order if c in known]
@@ -305,7 +306,8 @@ class WeightReceiver(Staging):
         until an update (disk, tensor or distributed) fills it."""
         with self._update_lock, self.sched.model_lock:
             targets = self.target_map()
-            # back to back again, as at load (packing.py): commits stay a few span copies
+            # back to back again (packing.py), in drop_weights' order (_resume_order): pushes and
+            # commits stay a few span copies
             allocate_packed([(targets[canonical][1], shape, dtype) for canonical, (shape, dtype) in shapes.items()])
             self.unloaded = set(shapes)
             self.epoch += 1
