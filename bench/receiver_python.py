@@ -86,7 +86,7 @@ def _receiver(in_place: bool) -> tuple[WeightReceiver, list[str]]:
     offsets, total = wire.offsets(SPECS)
     receiver.cuda.mapped = _HandMapped(torch.randn(total // 2).to(torch.bfloat16).view(torch.uint8))  # type: ignore[assignment]
     if not in_place:  # the behaviour before: every push into private shadows
-        receiver.in_place_span = lambda specs: None  # type: ignore[method-assign]
+        receiver.in_place_targets = lambda specs: None  # type: ignore[method-assign]
     export = {"device": "GPU-bench", "handle": base64.b64encode(b"h").decode(), "size_bytes": total,
               "offset_bytes": 0, "ref_counter_handle": base64.b64encode(b"rc").decode(), "ref_counter_offset": 0,
               "event_handle": None, "event_sync_required": False}
