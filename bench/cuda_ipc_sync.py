@@ -116,16 +116,12 @@ def milepost_trainer(conn, results, specs: list[wire.Spec], bucket_bytes: int, p
     holds Megatron's parameters). `colocated`: the engine releases and resumes its weights
     before each push (untimed)."""
     from milepost.core.train.weight_sender import WeightSender, pack_parameters
-    from milepost.core.weight_sync.packing import allocate_packed
+    from milepost.core.weight_sync.packing import pack_in_order
     module = _Weights(specs)
     if layout == "packed":
         pack_parameters(module)
     elif layout == "reversed":
-        params = list(module.parameters())[::-1]
-        values = [p.data for p in params]
-        allocate_packed([(p, p.shape, p.dtype) for p in params])
-        for p, v in zip(params, values):
-            p.data.copy_(v)
+        pack_in_order(list(module.parameters())[::-1])
     sender = WeightSender(module)
     plan = [[s["name"] for s in bucket] for bucket in sender.buckets(bucket_bytes)]
     times, phases = [], {"trainer_to_cuda": 0.0, "engine_round_trips": 0.0}

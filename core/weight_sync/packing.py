@@ -26,11 +26,17 @@ def pack_parameters(module: torch.nn.Module, device: torch.device | None = None)
     for t in module.state_dict(keep_vars=True).values():
         if isinstance(t, torch.nn.Parameter) and t.is_contiguous():
             params.setdefault(id(t), t)
-    old = [p.data for p in params.values()]
-    allocate_packed([(p, p.shape, p.dtype) for p in params.values()], device)
-    for p, data in zip(params.values(), old):
+    return pack_in_order(list(params.values()), device)
+
+
+def pack_in_order(params: list[torch.nn.Parameter], device: torch.device | None = None) -> int:
+    """pack_parameters for `params` in this order (each once): values kept, each pointed at its
+    place in one buffer per dtype and device. Returns the bytes moved."""
+    old = [p.data for p in params]
+    allocate_packed([(p, p.shape, p.dtype) for p in params], device)
+    for p, data in zip(params, old):
         p.data.copy_(data)
-    return sum(p.numel() * p.element_size() for p in params.values())
+    return sum(p.numel() * p.element_size() for p in params)
 
 
 def allocate_packed(tensors: list[tuple[torch.Tensor, torch.Size, torch.dtype]],

@@ -51,16 +51,11 @@ def _outputs(client) -> list[list[int]]:
 def _laid_out(model: torch.nn.Module, layout: str) -> torch.nn.Module:
     """copied: a storage per tensor (as built); packed: back to back in state-dict order (the
     torch backend); reversed: one buffer in reverse order (Megatron's DDP buffer)."""
-    from milepost.core.train.weight_sender import pack_parameters
-    from milepost.core.weight_sync.packing import allocate_packed
+    from milepost.core.weight_sync.packing import pack_in_order, pack_parameters
     if layout == "packed":
         pack_parameters(model)
     elif layout == "reversed":
-        params = list(model.parameters())[::-1]
-        values = [p.data for p in params]
-        allocate_packed([(p, p.shape, p.dtype) for p in params])
-        for p, v in zip(params, values):
-            p.data.copy_(v)
+        pack_in_order(list(model.parameters())[::-1])
     return model
 
 
