@@ -3,8 +3,7 @@ CUDA storages that an engine maps once, for WeightSender.to_cuda.
 
 A bucket is read in place where its tensors lie in one storage (packed parameters, or
 Megatron's staged views of its parameters: no copy), else copied into the bucket's reused CUDA
-buffer. Each storage is
-exported once per reader and kept (an engine maps each export once).
+buffer. Each storage is exported once per reader and kept (an engine maps each export once).
 
 Why plans are kept: tensors sent as they are (no fp8) keep their bucket's plan (where each
 lies, the encoded descriptors) while they keep their addresses, shapes and dtypes, so the

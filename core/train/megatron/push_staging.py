@@ -56,7 +56,7 @@ class PushStaging:
             for i in picked:
                 source = self.sources[i]
                 t = source.param.detach()
-                shards = [t] if views or source.mapping.kind == "replicated" else self.gather(t)  # type: ignore[misc]
+                shards = [t] if self.gather is None or source.mapping.kind == "replicated" else self.gather(t)
                 for n, full in to_hf(source.mapping, shards, self.spec, views=views, reuse=self.kept):
                     if wanted is None or n in wanted:
                         staged[n] = full
