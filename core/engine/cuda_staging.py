@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from milepost.core.engine.staging import UpdateRejected
-from milepost.core.weight_sync import cuda_buffers, wire
+from milepost.core.weight_sync import cuda_buffers, packing, wire
 
 if TYPE_CHECKING:  # types only: the receiver owns this
     from milepost.core.engine.weight_receiver import WeightReceiver
@@ -49,7 +49,7 @@ MAX_PLANS = 64
 class _Plan:
     descriptor: dict[str, Any]  # checked by cuda_buffers.decode_descriptor and against the model; read-only
     staged: list[tuple[str, torch.Tensor]]  # (name, the shadow it is copied into), in specs order
-    copy: wire.BucketCopy
+    copy: packing.BucketCopy
     in_place: tuple[str, ...] = ()  # received in place (staging.py): these canonical names, no shadows
     epoch: int = 0  # the receiver's epoch when planned: an in-place plan holds live tensors' memory
 
@@ -142,9 +142,9 @@ class CudaStaging:
         receiver, specs = self.receiver, descriptor["tensors"]
         in_place = receiver.in_place_targets(specs)
         if in_place is not None:  # a copy per run that lies back to back on both sides
-            return _Plan(descriptor, [], wire.BucketCopy(in_place[0], specs), in_place[1], receiver.epoch)
+            return _Plan(descriptor, [], packing.BucketCopy(in_place[0], specs), in_place[1], receiver.epoch)
         shadows = receiver.staging_targets(specs)
-        return _Plan(descriptor, [(s["name"], t) for s, t in zip(specs, shadows)], wire.BucketCopy(shadows, specs))
+        return _Plan(descriptor, [(s["name"], t) for s, t in zip(specs, shadows)], packing.BucketCopy(shadows, specs))
 
     def _valid(self, plan: _Plan) -> bool:
         """An in-place plan: while its tensors stay where they were and unloaded; else while

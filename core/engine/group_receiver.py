@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from milepost.core.weight_sync import groups, wire
+from milepost.core.weight_sync import groups, packing, wire
 
 if TYPE_CHECKING:
     from milepost.core.engine.weight_receiver import WeightReceiver
@@ -94,7 +94,7 @@ class GroupReceiver:
             buffer = self._flat
             assert buffer is not None  # the staged branch above made it
             placed = [{**s, "offset": o} for s, o in zip(specs, offs)]
-            wire.copy_bucket(self.receiver.staging_targets(specs), buffer, placed)
+            packing.copy_bucket(self.receiver.staging_targets(specs), buffer, placed)
 
     def _receive_each(self, specs: list[wire.Spec], pg: Any, keep: bool, via_host: bool) -> None:
         """One broadcast per tensor, straight into its shadow when the dtypes match (and the

@@ -23,7 +23,7 @@ import torch
 
 from milepost.core.engine.shm_leases import Lease, LeaseError, ShmFiles
 from milepost.core.quant.fp8 import FP8_DTYPE
-from milepost.core.weight_sync import wire
+from milepost.core.weight_sync import packing, wire
 
 if TYPE_CHECKING:  # types only: the scheduler imports the parts of the engine
     from milepost.core.engine.scheduler import Scheduler
@@ -209,7 +209,7 @@ class Staging:
         """Copy `specs` (which fit the model) out of `flat` into staged shadows, or in place
         (module docstring); done on return."""
         in_place = self.in_place_targets(specs)
-        wire.copy_bucket(in_place[0] if in_place else self.staging_targets(specs), flat, specs)
+        packing.copy_bucket(in_place[0] if in_place else self.staging_targets(specs), flat, specs)
         if flat.is_cuda:  # the sender rewrites its buffer once this call answers: the copy must be done
             torch.cuda.current_stream(flat.device).synchronize()
         if in_place:
@@ -217,7 +217,7 @@ class Staging:
 
     def staging_targets(self, specs: list[wire.Spec]) -> list[torch.Tensor]:
         """The staged shadows of `specs` (which fit the model), laid back to back where the
-        dtypes allow (shadow_span), so wire.copy_bucket copies the bucket as one span."""
+        dtypes allow (shadow_span), so packing.copy_bucket copies the bucket as one span."""
         if self.shadow_span(specs) is not None:
             return [self._shadows[self.target_map()[s["name"]][0]] for s in specs]
         return [self.shadow(s["name"]) for s in specs]

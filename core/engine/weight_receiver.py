@@ -288,14 +288,15 @@ class WeightReceiver(Staging):
         """Every canonical name, in the order the last committed push of every tensor sent them
         (the model's order before one): allocate_weights lays the weights out in this order.
         Why: the next push (colocated placement's, into the resumed weights) then writes each
-        run of its buckets as one span copy (wire.BucketCopy) where the trainer's order is not
+        run of its buckets as one span copy (packing.BucketCopy) where the trainer's order is not
         the model's (Megatron's). On the lent H100 a 3.4 GB push in Megatron's order written
         tensor by tensor into resumed weights took 10.1 ms; one in the model's order, one span a
         bucket, 5.2 ms (bench/results/cuda_ipc_sync_3gb.txt; this order not yet timed there)."""
         canonicals = self._canonicals()
         known = set(canonicals)
         sent = [c for c in self._push_order if c in known]
-        return sent + [c for c in canonicals if c not in set(sent)]
+        chosen = set(sent)
+        return sent + [c for c in canonicals if c not in chosen]
 
     def _canonicals(self) -> list[str]:
         """Every canonical name (a tied tensor once), in the model's order."""

@@ -70,7 +70,7 @@ class CopyRuns:
                    and wire.adjacent(sources[j - 1], sources[j])):
                 j += 1
             into, out_of = wire.span(targets[i:j]), wire.span(sources[i:j])
-            if j - i > 1 and into is not None and out_of is not None:
+            if (j - i > 1 or n == 1) and into is not None and out_of is not None:
                 self.spans.append((into, out_of))
             else:
                 self.rest[0].extend(targets[i:j])
@@ -86,3 +86,39 @@ class CopyRuns:
             into.copy_(out_of)
         if self.rest[0]:
             wire.copy_all(*self.rest)
+
+    def describe(self) -> str:
+        if not self.rest[0] and len(self.spans) == 1:
+            return "as one span"
+        if not self.spans:
+            return "tensor by tensor"
+        return f"in {len(self.spans)} spans and {len(self.rest[0])} tensors"
+
+
+class BucketCopy:
+    """A planned copy of a bucket out of a flat uint8 buffer into `targets`: CopyRuns from the
+    specs' views of the buffer, so each run that lies back to back on both sides (the engine's
+    shadows after shadow_span; the weights a memory resume lays out in the last push's order,
+    WeightReceiver._resume_order) is one copy of its span. The runs are planned at the first
+    copy out of a buffer and kept while the same buffer comes again (a mapped trainer storage:
+    core/engine/cuda_staging.py keeps this plan per payload)."""
+
+    def __init__(self, targets: list[torch.Tensor], specs: list[wire.Spec]) -> None:
+        self.targets, self.specs = targets, specs
+        self._runs: tuple[tuple[int, int], CopyRuns] | None = None  # (the buffer's address and size, its runs)
+
+    def run(self, flat: torch.Tensor) -> None:
+        key = (flat.data_ptr(), flat.numel())
+        if self._runs is None or self._runs[0] != key:
+            self._runs = (key, CopyRuns(self.targets, [wire.view(flat, int(x["offset"]), x) for x in self.specs]))
+        self._runs[1].run()
+
+    def describe(self) -> str:
+        """How the last run copied (after `run`)."""
+        return "not run yet" if self._runs is None else self._runs[1].describe()
+
+
+def copy_bucket(targets: list[torch.Tensor], flat: torch.Tensor, specs: list[wire.Spec]) -> None:
+    """targets[i] <- the tensor `specs[i]` at its byte `offset` of the uint8 buffer `flat`
+    (BucketCopy, planned for this one copy)."""
+    BucketCopy(targets, specs).run(flat)

@@ -224,66 +224,9 @@ def copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
         targets[i].copy_(sources[i])
 
 
-def copy_bucket(targets: list[torch.Tensor], flat: torch.Tensor, specs: list[Spec]) -> None:
-    """targets[i] <- the tensor `specs[i]` at its byte `offset` of the uint8 buffer `flat`
-    (BucketCopy, planned for this one copy)."""
-    BucketCopy(targets, specs).run(flat)
-
-
-class BucketCopy:
-    """A planned copy of a bucket out of a flat uint8 buffer into `targets`: each run of
-    tensors that lie back to back on both sides (the specs in the buffer, the targets in one
-    storage, of the sent dtype) is one copy of its span; the rest go in one multi-tensor copy
-    (copy_all). Why: on the H200 one multi-tensor copy of a 201-tensor 1 GB bucket took ~5 ms,
-    one copy of its span ~0.6 ms; the engine's shadows (shadow_span) and the weights a memory
-    resume lays out in the last push's order (WeightReceiver._resume_order) make most buckets
-    one span or a few. Planning costs Python per tensor; `run` costs Python per run, so a
-    caller that copies the same bucket layout each push plans once (core/engine/cuda_staging.py)."""
-
-    def __init__(self, targets: list[torch.Tensor], specs: list[Spec]) -> None:
-        self.targets, self.specs = targets, specs
-        offs = [int(x["offset"]) for x in specs]
-        ends = [o + spec_nbytes(x) for o, x in zip(offs, specs)]
-        sent = [parse_dtype(x["dtype"]) == t.dtype for x, t in zip(specs, targets)]
-        self.spans: list[tuple[torch.Tensor, int, int]] = []  # (a run of targets as bytes, start, end in the buffer)
-        self.rest: list[int] = []  # indexes copied by copy_all
-        i, n = 0, len(specs)
-        while i < n:
-            j = i + 1
-            while j < n and sent[i] and sent[j] and ends[j - 1] == offs[j] and adjacent(targets[j - 1], targets[j]):
-                j += 1
-            into = span(targets[i:j]) if sent[i] and (j - i > 1 or n == 1) else None
-            if into is not None:
-                self.spans.append((into.view(torch.uint8), offs[i], ends[j - 1]))
-            else:
-                self.rest.extend(range(i, j))
-            i = j
-        # the views into the last buffer copied from, by its address and size: a caller that
-        # keeps this plan copies from the same mapped storage every push (Python per tensor)
-        self._sources: tuple[tuple[int, int], list[torch.Tensor]] | None = None
-        self._rest_targets = [targets[i] for i in self.rest]
-
-    def describe(self) -> str:
-        if not self.rest and len(self.spans) == 1:
-            return "as one span"
-        if not self.spans:
-            return "tensor by tensor"
-        return f"in {len(self.spans)} spans and {len(self.rest)} tensors"
-
-    def run(self, flat: torch.Tensor) -> None:
-        for into, start, end in self.spans:
-            into.copy_(flat[start:end])
-        if not self.rest:
-            return
-        key = (flat.data_ptr(), flat.numel())
-        if self._sources is None or self._sources[0] != key:
-            self._sources = (key, [view(flat, int(self.specs[i]["offset"]), self.specs[i]) for i in self.rest])
-        copy_all(self._rest_targets, self._sources[1])
-
-
 def adjacent(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Does `b` start where `a` ends, in the same storage, both contiguous and of one dtype?
-    (BucketCopy's runs, packing.CopyRuns')"""
+    (packing.CopyRuns' runs)"""
     return (a.dtype == b.dtype and a.is_contiguous() and b.is_contiguous()
             and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
             and b.storage_offset() == a.storage_offset() + a.numel())

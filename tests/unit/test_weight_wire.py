@@ -11,7 +11,7 @@ import pickle
 import pytest
 import torch
 
-from milepost.core.weight_sync import wire
+from milepost.core.weight_sync import packing, wire
 
 
 def test_buckets_keep_order_hold_one_dtype_and_give_a_big_tensor_its_own_bucket() -> None:
@@ -155,7 +155,7 @@ def test_copy_bucket_copies_each_tensor_whether_by_one_span_or_one_by_one(layout
             at += math.prod(shape)
     calls = []
     monkeypatch.setattr(wire, "copy_all", lambda t, s: calls.append(len(t)) or [a.copy_(b) for a, b in zip(t, s)])
-    wire.copy_bucket(targets, flat, specs)
+    packing.copy_bucket(targets, flat, specs)
     assert calls == ([] if layout == "back-to-back" else [3])  # one span copy, or the general path
     for target, spec in zip(targets, specs):
         assert torch.equal(target, wire.view(flat, spec["offset"], spec).to(dtype))
