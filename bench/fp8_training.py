@@ -20,7 +20,10 @@ batches, cycled, timing each step (synced):
 tokens/s per mode; int4_qat trains fp32 parameters with fake-quantised linears), no target.
 Loss curve: every advantage +1, TIS off, engine logprobs 0, so each step maximises the
 responses' likelihood and `train/engine_logprob_absdiff_sum / loss tokens` is the batch's NLL
-before the step's update (as tests/integration/test_megatron_fp8.py). Reported: s/step (mean
+before the step's update (as tests/integration/test_megatron_fp8.py). Data (`--data`): random
+tokens (a random-init model memorising them: every digit of precision counts, the harshest case),
+or arithmetic text (`arith_samples`: a curve like a language model's; with `--batches` >=
+`--steps` each step trains on a new batch, as real training does). Reported: s/step (mean
 after `--warmup` steps), tokens/s, fp8 / bf16 throughput ratio (target >= 1.15 on the GPU), the
 max relative gap of the NLL curves (target <= 2 %) and the gap in NLL learnt (`progress_gap`),
 peak memory, and a synced split of one more step (forward-backward / optimizer / rest).
@@ -64,11 +67,35 @@ RECIPES: dict[str, dict[str, Any]] = {name: asdict(recipe) for name, recipe in U
 TARGET_SPEEDUP, TARGET_GAP = 1.15, 0.02
 
 
+ARITH_CHARS = "0123456789+=\n"  # --data arith: one token id per character (ids 16..28, none special)
+
+
+def arith_samples(n: int, prompt_len: int, response_len: int, seed: int) -> list[Any]:
+    """`n` samples of gpu-arith's world as text, `a+b=c` lines (operands 0..999, its train
+    split) run together and cut to prompt_len + response_len character tokens. What it has to
+    learn: the line format, digit statistics and, within reach of 50 steps, little of the sums
+    (the operands are random); a language-like curve, where random tokens are memorisation."""
+    from milepost.core.data.arith import WORLDS, make_rows
+    per_line = 12  # the longest line, "999+999=1998\n", is 13 characters: enough rows for every sample
+    rows = make_rows(n * ((prompt_len + response_len) // per_line + 1), seed, "train", WORLDS["gpu-arith"])
+    text = "".join(f"{r['prompt']}{r['label']}\n" for r in rows)
+    ids = [16 + ARITH_CHARS.index(c) for c in text]
+    samples = mfu.make_samples(n, prompt_len, response_len, len(ARITH_CHARS) + 16, seed)
+    width = prompt_len + response_len
+    for i, s in enumerate(samples):
+        seq = ids[i * width:(i + 1) * width]
+        s.prompt_ids, s.response_ids = seq[:prompt_len], seq[prompt_len:]
+    return samples
+
+
 def nll_batches(count: int, args: argparse.Namespace, vocab: int) -> list[list[Any]]:
-    """`count` fixed batches whose loss is the responses' NLL (module doc)."""
+    """`count` fixed batches whose loss is the responses' NLL (module doc): random tokens, or
+    arithmetic text (`--data arith`)."""
     batches = []
     for b in range(count):
-        samples = mfu.make_samples(args.samples, args.prompt_len, args.response_len, vocab, seed=100 + b)
+        samples = (arith_samples(args.samples, args.prompt_len, args.response_len, seed=100 + b)
+                   if args.data == "arith" else
+                   mfu.make_samples(args.samples, args.prompt_len, args.response_len, vocab, seed=100 + b))
         for s in samples:
             s.engine_logprobs, s.advantage = [0.0] * len(s.response_ids), 1.0
         batches.append(samples)
@@ -215,7 +242,10 @@ def main() -> None:
                          "tokens/s stays comparable (same tokens a step, more micro-batches)")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of the mean step time")
-    ap.add_argument("--batches", type=int, default=4, help="fixed batches, cycled")
+    ap.add_argument("--batches", type=int, default=4, help="fixed batches, cycled (>= --steps: a new batch a step)")
+    ap.add_argument("--data", default="random", choices=["random", "arith"],
+                    help="random: random tokens (memorised: the harshest case for fp8's rounding); arith: "
+                         "arithmetic text, a curve like a language's (arith_samples)")
     ap.add_argument("--lr", type=float, default=2e-5)
     default_out = "bench/results/fp8_training" + ("" if mfu.DEVICE == "cuda" else "_cpu") + ".txt"
     ap.add_argument("--profile", default="", help="profile one more step of each mode: summary lines in --out, "
@@ -233,7 +263,8 @@ def main() -> None:
     tokens = args.samples * (args.prompt_len + args.response_len)
     device = torch.cuda.get_device_name() if mfu.DEVICE == "cuda" else "cpu (torch._scaled_mm emulated)"
     mfu.log(out, f"{device} | torch {torch.__version__} | {args.shape}, random init | {args.samples} samples x "
-                 f"{args.prompt_len + args.response_len} tokens per step, {args.batches} fixed batches cycled | "
+                 f"{args.prompt_len + args.response_len} tokens per step of {args.data} data, "
+                 f"{args.batches} fixed batches cycled | "
                  f"megatron[{args.variant}] | {args.steps} steps (mean s/step after {args.warmup}), lr {args.lr}")
     batches = nll_batches(args.batches, args, cfg.vocab_size)
     results: dict[str, dict[str, Any]] = {}
