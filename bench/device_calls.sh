@@ -3,7 +3,8 @@
 # and writes under $OUT, so a step that fails or runs long leaves the others' results.
 # CALL_LIMIT_S (default 575) bounds a call.
 #   source bench/device_calls.sh arith     gpu-arith end to end (build, 2 blocks, a kill and resume)
-#   source bench/device_calls.sh figures   training: bf16 and fp8 side by side (env: FP8_RECIPES, FP8_LR_ALSO, FP8_GPU_TESTS, IPC_3GB)
+#   source bench/device_calls.sh figures   training: bf16 and fp8 side by side (env: FP8_RECIPES, FP8_LR_ALSO, FP8_GPU_TESTS,
+#                                          FP8_CASTS, IPC_3GB)
 #   source bench/device_calls.sh sync      the CUDA-format GPU tests, the CUDA-IPC push mechanism, GPU weight sync over HTTP
 #                                          (on a two-GPU kind, e.g. nvidia-h100-x2, also NCCL to an engine on the second GPU);
 #                                          SYNC_ROLLOUT=1: rollout precision too; SYNC_MECHANISM_ONLY=1: the tests,
@@ -48,6 +49,8 @@ elif [ "$call" = figures ]; then
   [ -n "${FP8_LR_ALSO:-}" ] && fp8 fp8_training_lr "$(( $(left) - ${AFTER_LR_S:-10} ))" --lr "$FP8_LR_ALSO"
   [ -n "${FP8_GPU_TESTS:-}" ] && step gpu_tests 150 python3 -m pytest -q -m gpu ${FP8_GPU_TESTS/#1/tests/gpu/test_fp8_linear_gpu.py \
       tests/gpu/test_packed_attention_gpu.py} -s
+  # FP8_CASTS: one tensorwise cast in both layouts, the library's against other compilations of it
+  [ -n "${FP8_CASTS:-}" ] && step fp8_casts 100 python3 bench/fp8_casts.py --out "$OUT/fp8_casts_gpu.txt"
   # the CUDA-IPC push at the 1.7 B shape (issue 18)
   [ -n "${IPC_3GB:-}" ] && step cuda_ipc_sync_3gb 80 python3 bench/cuda_ipc_sync.py --params-gb 3.4 --bucket-mb 1024 \
       --pushes 6 --out "$OUT/cuda_ipc_sync_3gb.txt"
