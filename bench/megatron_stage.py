@@ -10,9 +10,10 @@ last push's tensors, and a bucket visits only its own parameters.
 
 The parameters are made as megatron-core's DDP buffer holds them: one contiguous bf16 buffer,
 in reverse order of the model's parameters, Qwen3-1.7B-shaped (28 layers, tied embedding).
-A push is what the worker does: stage every HF tensor (to plan the buckets), then for each 1 GB
-bucket stage its names and (on a GPU) WeightSender.to_cuda (the copy into the bucket buffer,
-the export), each push synchronised. Printed: each way's push time, the views' speed-up over
+A push is what the worker does: at the first push, stage every HF tensor (to plan the buckets,
+a plan each transport keeps), then at every push, for each 1 GB bucket, stage its names and
+(on a GPU) WeightSender.to_cuda (the copy into the bucket buffer, the export), each push
+synchronised. Printed: each way's push time, the views' speed-up over
 copies, and each against one device copy of the model's bytes. On a CPU only the staging is
 timed.
 
@@ -101,7 +102,9 @@ class Staged(torch.nn.Module):
 def pushes(sources: list[Source], spec: ModelSpec, views: bool, count: int,
            bucket_bytes: int) -> tuple[list[float], list[float]]:
     """(stage seconds, whole push seconds) of each push. A push stages as the worker does: the
-    whole model (to plan the buckets), then each bucket's names before its to_cuda."""
+    first one stages the whole model to plan the buckets (a transport asks for the plan once,
+    core/weight_sync/session.py `plan`), then every push stages each bucket's names before its
+    to_cuda."""
     module, cuda = Staged(), sources[0].param.is_cuda
     staging = PushStaging(sources, spec, None)  # what the worker runs at TP=1
     sender = WeightSender(module)
@@ -115,11 +118,14 @@ def pushes(sources: list[Source], spec: ModelSpec, views: bool, count: int,
     def stage(wanted: set[str] | None) -> dict[str, torch.Tensor]:
         return staging.stage(wanted) if views else stage_copies(sources, spec, wanted)
 
+    plan: list[list[dict[str, object]]] = []
     for _ in range(count):
         start = sync()
-        module.staged = stage(None)
+        if not plan:
+            module.staged = stage(None)
+            plan = sender.buckets(bucket_bytes)
         staged_s = sync() - start
-        for i, bucket in enumerate(sender.buckets(bucket_bytes)):
+        for i, bucket in enumerate(plan):
             names = [s["name"] for s in bucket]
             begun = sync()
             module.staged = stage(set(names))

@@ -123,7 +123,7 @@ def to_hf(mapping: Mapping, shards: list[torch.Tensor], spec: ModelSpec, views: 
     Each is a tensor of its own (safetensors refuses tensors that share memory), unless `views`:
     then, from one shard (TP=1), every HF tensor that is a contiguous piece of it is that piece
     (no copy), and the q/k/v split is written into `reuse`'s tensor of its name where one fits.
-    Why: a weight push stages the whole model every push, and two copies of every tensor
+    Why: every weight push stages every tensor (bucket by bucket), and two copies of each
     (cat, clone) plus new addresses each time (so the CUDA sender planned again) were most of
     what Megatron's push cost beyond the transport (core/train/cuda_sender.py)."""
     kind, names = mapping.kind, mapping.hf_names

@@ -1,7 +1,8 @@
 """The HF tensors a weight push sends, staged from this rank's megatron parameters.
 
-A push stages the whole model once (to plan its buckets), then each bucket's names before
-sending it (core/train/weight_source.py: Rank0WeightSource). At TP=1 a staged tensor is a view
+A transport's first push stages the whole model once, to plan its buckets (the plan is kept:
+core/weight_sync/session.py `plan`); every push then stages each bucket's names before sending
+it (core/train/weight_source.py: Rank0WeightSource). At TP=1 a staged tensor is a view
 of its parameter wherever the layouts allow (converter.to_hf's `views`); q/k/v, interleaved by
 query group in the fused `linear_qkv`, are written into tensors kept from the last push and
 laid out in one buffer per dtype. So every staged tensor keeps its address push after push
