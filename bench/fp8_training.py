@@ -264,8 +264,8 @@ def main() -> None:
     device = torch.cuda.get_device_name() if mfu.DEVICE == "cuda" else "cpu (torch._scaled_mm emulated)"
     mfu.log(out, f"{device} | torch {torch.__version__} | {args.shape}, random init | {args.samples} samples x "
                  f"{args.prompt_len + args.response_len} tokens per step of {args.data} data, "
-                 f"{args.batches} fixed batches cycled | "
-                 f"megatron[{args.variant}] | {args.steps} steps (mean s/step after {args.warmup}), lr {args.lr}")
+                 + (f"{args.batches} fixed batches cycled" if args.batches < args.steps else "a new batch each step")
+                 + f" | megatron[{args.variant}] | {args.steps} steps (mean s/step after {args.warmup}), lr {args.lr}")
     batches = nll_batches(args.batches, args, cfg.vocab_size)
     results: dict[str, dict[str, Any]] = {}
     others = [m for m in args.other_modes.split(",") if m]
