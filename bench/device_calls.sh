@@ -11,8 +11,9 @@
 #                                          bench/cuda_ipc_sync.py and megatron_stage.py only (~170 s with the install);
 #                                          SYNC_3GB_ONLY=1: cuda_ipc_sync at the 3.4 GB size only (~130 s)
 #   source bench/device_calls.sh tests     the GPU tests, warm-start speed
+#   source bench/device_calls.sh pending   what was built and not yet run on a GPU (~430 s; see the branch)
 # Everything a call writes comes back in $OUT/results.tgz (and $OUT/steps.txt).
-call=${1:?arith, figures, sync or tests}
+call=${1:?arith, figures, sync, pending or tests}
 SECONDS=0
 left() { echo $(( ${CALL_LIMIT_S:-575} - SECONDS )); }
 step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log, say how it ended
@@ -72,6 +73,16 @@ elif [ "$call" = sync ]; then
     step rollout_precision 90 python3 bench/rollout_precision.py
     cp bench/results/rollout_precision_gpu.* "$OUT/" 2>/dev/null
   fi
+elif [ "$call" = pending ]; then
+  # what session 25 built and could not run (no machine started), ~430 s: issue 18's resume order
+  # (the "reversed" colocated row), the fp8 step at micro-batch 8 on arithmetic text beside bf16, the
+  # cast bench, Megatron's staging with the plan made once
+  step cuda_ipc_sync_3gb 70 python3 bench/cuda_ipc_sync.py --params-gb 3.4 --bucket-mb 1024 --pushes 6 \
+      --out "$OUT/cuda_ipc_sync_3gb.txt"
+  step fp8_training 250 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 bench/fp8_training.py \
+      --variant fuse=1,mb=8 --fp8-recipes tensorwise-fast --data arith --batches 50 --out "$OUT/fp8_training.txt"
+  step fp8_casts 70 python3 bench/fp8_casts.py --out "$OUT/fp8_casts_gpu.txt"
+  step megatron_stage 40 python3 bench/megatron_stage.py --out "$OUT/megatron_stage_gpu.txt"
 else
   step gpu_tests 150 python3 -m pytest -q -m gpu tests/gpu/test_fp8_linear_gpu.py tests/gpu/test_engine_gpu.py \
       tests/gpu/test_packed_attention_gpu.py \
