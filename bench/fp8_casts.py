@@ -11,6 +11,9 @@ call whose host time counts where the step is host-bound. Ways:
   read of q back);
 - from_x_nd / library_nd: the same with inductor's `triton.prefer_nd_tiling` (one 2-D tiled
   kernel may write both layouts);
+- library_static: the library's graph compiled for each shape (dynamic=False): pytorch issue
+  130015 shows inductor fusing this very pattern into one kernel at static shapes, where the
+  library's dynamic-shape compile made two;
 - row_only: q alone (what the transposed copy adds on top).
 Every way's q, q^T and scale are checked equal to the library's, bit for bit. Printed per
 shape: GPU time per call (CUDA events over `--calls` back-to-back calls), host time to issue
@@ -59,10 +62,11 @@ def ways() -> dict[str, Cast]:
     plain = _eager_division_option()
     nd = plain | {"triton.prefer_nd_tiling": True}
 
-    def compiled(fn: Callable[..., tuple[Tensor, ...]], options: dict[str, object]) -> Cast:
-        c = torch.compile(fn, dynamic=True, options=options)
+    def compiled(fn: Callable[..., tuple[Tensor, ...]], options: dict[str, object], dynamic: bool = True) -> Cast:
+        c = torch.compile(fn, dynamic=dynamic, options=options)
         return lambda x: c(x, tensor_amax(x))
     return {"library": lambda x: cast(x, E4M3, None, recipe, "both"),
+            "library_static": compiled(_library_graph, plain, dynamic=False),
             "library_nd": compiled(_library_graph, nd),
             "from_x": compiled(_from_x, plain),
             "from_x_nd": compiled(_from_x, nd),
