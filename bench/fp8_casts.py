@@ -29,6 +29,7 @@ import argparse
 import datetime
 import sys
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -61,9 +62,13 @@ def ways() -> dict[str, Cast]:
     recipe = Fp8Recipe("tensorwise")
     plain = _eager_division_option()
     nd = plain | {"triton.prefer_nd_tiling": True}
+    made: list[Callable[..., tuple[Tensor, ...]]] = []
 
     def compiled(fn: Callable[..., tuple[Tensor, ...]], options: dict[str, object], dynamic: bool = True) -> Cast:
-        c = torch.compile(fn, dynamic=dynamic, options=options)
+        # a code object of its own per way: dynamo keeps its compiled graphs, and its recompile limit, per code object
+        own = types.FunctionType(fn.__code__.replace(co_name=f"{fn.__name__}_{len(made)}"), fn.__globals__)
+        made.append(own)
+        c = torch.compile(own, dynamic=dynamic, options=options)
         return lambda x: c(x, tensor_amax(x))
     return {"library": lambda x: cast(x, E4M3, None, recipe, "both"),
             "library_static": compiled(_library_graph, plain, dynamic=False),
