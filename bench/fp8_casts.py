@@ -36,6 +36,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+sys.path.insert(0, str(Path(__file__).parent))
+from cuda_ipc_sync import device_copy_s, emit  # bench/ on the path first
+
 from milepost.core.quant.fp8_cast import E4M3, Fp8Recipe, _eager_division_option, cast, quantize, tensor_amax
 
 Cast = Callable[[Tensor], tuple[Tensor, ...]]
@@ -78,20 +81,6 @@ def ways() -> dict[str, Cast]:
             "row_only": compiled(_row_only, plain)}
 
 
-def copy_gbps(x: Tensor, repeats: int = 20) -> float:
-    """A device copy's rate, bytes read + written per second."""
-    y = torch.empty_like(x)
-    y.copy_(x)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        y.copy_(x)
-    end.record()
-    end.synchronize()
-    return 2 * x.numel() * x.element_size() * repeats / (start.elapsed_time(end) / 1e3)
-
-
 def time_way(way: Cast, x: Tensor, calls: int) -> tuple[float, float]:
     """(GPU seconds a call, host seconds to issue a call) over `calls` back-to-back calls."""
     for _ in range(3):
@@ -116,18 +105,14 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/fp8_casts.py times CUDA kernels: run it on a GPU (device)")
-    lines: list[str] = []
-
-    def emit(line: str) -> None:
-        print(line, flush=True)
-        lines.append(line)
-    emit(f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {torch.cuda.get_device_name()}, "
-         f"torch {torch.__version__}: python bench/fp8_casts.py --tokens {' '.join(map(str, args.tokens))}")
+    lines = [f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {torch.cuda.get_device_name()}, "
+             f"torch {torch.__version__}: python bench/fp8_casts.py --tokens {' '.join(map(str, args.tokens))}"]
     casts = ways()
     for m in args.tokens:
         for k in FEATURES:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            bw = copy_gbps(x)
+            nbytes = x.numel() * x.element_size()
+            bw = 2 * nbytes / device_copy_s(nbytes, repeats=20)  # bytes read + written per second
             want = casts["library"](x)
             floor = {"both": (2 + 2 + 1 + 1) * x.numel() / bw, "row": (2 + 2 + 1) * x.numel() / bw}
             cells = []
@@ -144,9 +129,8 @@ def main() -> None:
                 bound = floor["row" if name == "row_only" else "both"]
                 cells.append(f"{name} {gpu * 1e6:.0f} us (floor/this {bound / gpu:.2f}, host {host * 1e6:.0f} us"
                              f"{'' if same else ', DIFFERS'})")
-            emit(f"[{m}, {k}] copy {bw / 1e9:.0f} GB/s | " + " | ".join(cells))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("\n".join(lines) + "\n")
+            lines.append(f"[{m}, {k}] copy {bw / 1e9:.0f} GB/s | " + " | ".join(cells))
+    emit(lines, Path(args.out))
 
 
 if __name__ == "__main__":
