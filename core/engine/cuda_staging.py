@@ -64,7 +64,8 @@ class CudaStaging:
         self.receiver, self.device_type = receiver, device_type
         self.mapped = cuda_buffers.MappedStorages()
         self._plans: OrderedDict[str, _Plan] = OrderedDict()
-        self._descriptors: OrderedDict[str, dict[str, Any]] = OrderedDict()  # payload → checked descriptor
+        # payload → its checked descriptor and the bucket's layout in the trainer's storage
+        self._descriptors: OrderedDict[str, tuple[dict[str, Any], packing.BucketLayout]] = OrderedDict()
 
     def knows(self, payload: str) -> bool:
         """Was `payload` (one `serialized_named_tensors` entry) read before? Then `load` takes
@@ -86,7 +87,7 @@ class CudaStaging:
             if plan.staged:
                 self.receiver.stage_many(plan.staged)
         else:
-            plan = self._plan(self._descriptor(payload, body))
+            plan = self._plan(*self._descriptor(payload, body))
             # planning may have re-laid shadows that older plans hold: those would keep the old
             # shadows' GPU memory alive until dropped
             self._plans = OrderedDict((k, p) for k, p in self._plans.items() if k != payload and self._valid(p))
@@ -107,21 +108,22 @@ class CudaStaging:
                 f"({len(self.mapped)} mapped; copied {plan.copy.describe()}; "
                 f"{'plan reused' if reused else 'planned'})")
 
-    def _descriptor(self, payload: str, body: Any) -> dict[str, Any]:
+    def _descriptor(self, payload: str, body: Any) -> tuple[dict[str, Any], packing.BucketLayout]:
         """`payload`'s descriptor, checked by cuda_buffers.decode_descriptor and against the
-        model once per payload (the model's names, shapes, dtypes and device do not change)."""
-        descriptor = self._descriptors.get(payload)
-        if descriptor is None:
+        model once per payload (the model's names, shapes, dtypes and device do not change),
+        and its bucket's layout."""
+        known = self._descriptors.get(payload)
+        if known is None:
             if body is None:
                 body = json.loads(base64.b64decode(payload, validate=True))
             descriptor = cuda_buffers.decode_descriptor(body)
             self._check(descriptor["tensors"])
-            self._descriptors[payload] = descriptor
+            known = self._descriptors[payload] = (descriptor, packing.BucketLayout(descriptor["tensors"]))
             while len(self._descriptors) > MAX_PLANS:
                 self._descriptors.popitem(last=False)
         else:
             self._descriptors.move_to_end(payload)
-        return descriptor
+        return known
 
     def _check(self, specs: list[wire.Spec]) -> None:
         """Refuse `specs` that do not fit the model, or an engine whose weights are not on a GPU."""
@@ -136,15 +138,15 @@ class CudaStaging:
                                  f"{', '.join(sorted(devices))}: send the shm format (its /server_info "
                                  "tensor_formats lists what it reads)")
 
-    def _plan(self, descriptor: dict[str, Any]) -> _Plan:
+    def _plan(self, descriptor: dict[str, Any], layout: packing.BucketLayout) -> _Plan:
         """Plan the copy of a checked descriptor's bucket: in place where the receiver allows
         it (staging.py), else into staged shadows."""
         receiver, specs = self.receiver, descriptor["tensors"]
         in_place = receiver.in_place_targets(specs)
         if in_place is not None:  # a copy per run that lies back to back on both sides
-            return _Plan(descriptor, [], packing.BucketCopy(in_place[0], specs), in_place[1], receiver.epoch)
+            return _Plan(descriptor, [], packing.BucketCopy(in_place[0], layout), in_place[1], receiver.epoch)
         shadows = receiver.staging_targets(specs)
-        return _Plan(descriptor, [(s["name"], t) for s, t in zip(specs, shadows)], packing.BucketCopy(shadows, specs))
+        return _Plan(descriptor, [(s["name"], t) for s, t in zip(specs, shadows)], packing.BucketCopy(shadows, layout))
 
     def _valid(self, plan: _Plan) -> bool:
         """An in-place plan: while its tensors stay where they were and unloaded; else while

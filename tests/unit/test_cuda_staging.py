@@ -305,7 +305,7 @@ def test_a_resume_lays_the_weights_out_in_the_last_pushs_order_so_the_next_push_
     engine, trainer = _model(0), _model(1)
     receiver, mapped = _receiver(engine)
     payloads = _payloads(trainer, mapped, 4096, b"megatron-order", sent_reversed=True)
-    several = [i for i, p in enumerate(payloads) if len(receiver.cuda._descriptor(p, None)["tensors"]) > 1]
+    several = [i for i, p in enumerate(payloads) if len(receiver.cuda._descriptor(p, None)[0]["tensors"]) > 1]
     assert several
     assert all("as one span" in r for r in _push(receiver, payloads, "1"))
     _push(receiver, _payloads(trainer, mapped, 4096, b"model-order")[:2], "1b")  # a subset: its order is not kept

@@ -137,7 +137,8 @@ def test_copy_all_copies_every_pair_converting_where_dtypes_differ() -> None:
     assert torch.equal(targets[1], sources[1].to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("layout", ["back-to-back", "separate-targets", "gap-in-source", "other-dtype"])
+@pytest.mark.parametrize("layout", ["back-to-back", "separate-targets", "gap-in-source", "other-dtype",
+                                    "transposed-middle"])
 def test_copy_bucket_copies_each_tensor_whether_by_one_span_or_one_by_one(layout, monkeypatch) -> None:
     shapes = [[3, 4], [5], [2, 2]]
     specs, pos = [], 8
@@ -153,10 +154,13 @@ def test_copy_bucket_copies_each_tensor_whether_by_one_span_or_one_by_one(layout
         for shape in shapes:
             targets.append(buf[at:at + math.prod(shape)].view(shape))
             at += math.prod(shape)
+    if layout == "transposed-middle":  # the last one where a span would put it, but transposed: not in the span
+        targets[2] = targets[2].t()
     calls = []
     monkeypatch.setattr(wire, "copy_all", lambda t, s: calls.append(len(t)) or [a.copy_(b) for a, b in zip(t, s)])
     packing.copy_bucket(targets, flat, specs)
-    assert calls == ([] if layout == "back-to-back" else [3])  # one span copy, or the general path
+    expected = {"back-to-back": [], "transposed-middle": [1]}.get(layout, [3])  # spans, then the general path
+    assert calls == expected
     for target, spec in zip(targets, specs):
         assert torch.equal(target, wire.view(flat, spec["offset"], spec).to(dtype))
 
