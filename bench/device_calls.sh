@@ -11,7 +11,7 @@
 #                                          bench/cuda_ipc_sync.py and megatron_stage.py only (~170 s with the install);
 #                                          SYNC_3GB_ONLY=1: cuda_ipc_sync at the 3.4 GB size only (~130 s)
 #   source bench/device_calls.sh tests     the GPU tests, warm-start speed
-#   source bench/device_calls.sh tensor    CUDA-IPC bench, then gpu-arith pushing over CUDA IPC, no kill (~480 s)
+#   source bench/device_calls.sh tensor    CUDA-IPC bench, then gpu-arith's first block pushing over CUDA IPC (~340 s)
 #   source bench/device_calls.sh pending   what was built and not yet run on a GPU (~430 s; see the branch)
 # Everything a call writes comes back in $OUT/results.tgz (and $OUT/steps.txt).
 call=${1:?arith, figures, sync, tensor, pending or tests}
@@ -75,12 +75,13 @@ elif [ "$call" = sync ]; then
     cp bench/results/rollout_precision_gpu.* "$OUT/" 2>/dev/null
   fi
 elif [ "$call" = tensor ]; then
-  # ~480 s: the CUDA-IPC mechanism at the 1.7 B shape (BucketCopy's runs planned from addresses), then
-  # gpu-arith with the loop's own weight push over CUDA IPC (colocated, Megatron's layout), no kill
+  # ~340 s: the CUDA-IPC mechanism at the 1.7 B shape (BucketCopy's runs planned from addresses), then
+  # gpu-arith's first block (one epoch of 1,280 prompts) with the loop's own weight push over CUDA IPC
+  # (colocated, Megatron's layout), no kill
   step cuda_ipc_sync_3gb 90 python3 bench/cuda_ipc_sync.py --params-gb 3.4 --bucket-mb 1024 --pushes 6 \
       --out "$OUT/cuda_ipc_sync_3gb.txt"
   step gpu_arith_tensor $(( $(left) - 5 )) python3 bench/gpu_arith.py --campaign /tmp/gpu-arith-tensor \
-      --set sync.transport=tensor --no-kill
+      --set sync.transport=tensor --set campaign.num_blocks=1 --set data.num_train_rows=1280 --no-kill
   tail -n 30 "$OUT/gpu_arith_tensor.log"
 elif [ "$call" = pending ]; then
   # what session 25 built and could not run (no machine started), ~430 s: issue 18's resume order
