@@ -151,6 +151,10 @@ class WeightReceiver(Staging):
             self.sched.weight_version = version
             if len(s.order) == len(self._canonicals()):  # a whole push: a subset's order says little
                 self._push_order = list(s.order)
+                # the trainer storages it did not read are stale: a restarted trainer's first push (its
+                # stage serves its checkpoint before any rollout) lets go of the dead one's memory here,
+                # not at the first memory release after the first rollout
+                self.cuda.mapped.sweep()
         finally:
             self.sched.model_lock.release()
         return 200, f"committed {len(s.staged.keys() | s.in_place)} tensors as weight_version {s.version}"

@@ -29,22 +29,31 @@ def _model(seed: int) -> Qwen2ForCausalLM:
 
 
 class HandMapped:
-    """Stands in for MappedStorages where no GPU can map: a storage by its export's handle."""
+    """Stands in for MappedStorages where no GPU can map: a storage by its export's handle
+    (`storages`, what the trainers exported), "mapped" at its first read and kept by the same
+    rule (sweep unmaps what was not read since new_push)."""
 
     def __init__(self) -> None:
         self.storages: dict[bytes, torch.Tensor] = {}
+        self.mapped: set[bytes] = set()
+        self.used: set[bytes] = set()
 
     def storage(self, descriptor: dict) -> torch.Tensor:
-        return self.storages[descriptor["storage"]["handle"]]
+        handle = descriptor["storage"]["handle"]
+        self.mapped.add(handle)
+        self.used.add(handle)
+        return self.storages[handle]
 
     def new_push(self) -> None:
-        pass
+        self.used.clear()
 
     def sweep(self) -> int:
-        return 0
+        stale = self.mapped - self.used
+        self.mapped -= stale
+        return len(stale)
 
     def __len__(self) -> int:
-        return len(self.storages)
+        return len(self.mapped)
 
 
 def _receiver(model: torch.nn.Module) -> tuple[WeightReceiver, HandMapped]:
@@ -320,3 +329,18 @@ def test_a_resume_lays_the_weights_out_in_the_last_pushs_order_so_the_next_push_
     lives = [live.data for name, (canonical, live) in targets.items() if name == canonical]
     assert not wire.adjacent(lives[0], lives[1])  # no longer in the model's order ...
     assert all(wire.adjacent(later, earlier) for earlier, later in itertools.pairwise(lives))  # ... but the sent one
+
+
+def test_a_whole_push_unmaps_the_trainer_storages_it_did_not_read() -> None:
+    """A restarted trainer exports new storages; its first push (its stage serves the checkpoint
+    before any rollout) is a whole push, and its commit lets go of the dead trainer's mappings.
+    A push of a few tensors reads a few storages and unmaps nothing."""
+    engine, trainer = _model(0), _model(1)
+    receiver, mapped = _receiver(engine)
+    _push(receiver, _payloads(trainer, mapped, 1 << 30, b"dead-trainer"), "1")
+    assert mapped.mapped == {b"dead-trainer"}
+    restarted = _payloads(trainer, mapped, 1 << 30, b"restarted-trainer")
+    _push(receiver, restarted, "2")
+    assert mapped.mapped == {b"restarted-trainer"}
+    _push(receiver, _payloads(trainer, mapped, 4096, b"a-few")[:1], "3")
+    assert mapped.mapped == {b"restarted-trainer", b"a-few"} and _same(engine, trainer)
