@@ -295,7 +295,9 @@ class WeightReceiver(Staging):
         run of its buckets as one span copy (packing.BucketCopy) where the trainer's order is not
         the model's (Megatron's). On the lent H100 a 3.4 GB push in Megatron's order written
         tensor by tensor into resumed weights took 10.1 ms; one in the model's order, one span a
-        bucket, 5.2 ms (bench/results/cuda_ipc_sync_3gb.txt; this order not yet timed there)."""
+        bucket, 5.2 ms (bench/results/cuda_ipc_sync_3gb.txt, 12-06). Timed with this order on
+        12-07, every layout's load took 10.5 ms: the copy plan made per tensor after each resume
+        (packing.BucketCopy now plans from addresses; not yet re-timed)."""
         canonicals = self._canonicals()
         known = set(canonicals)
         sent = [c for c in self._push_order if c in known]
