@@ -93,6 +93,8 @@ elif [ "$call" = pending ]; then
   step cuda_ipc_sync 60 python3 bench/cuda_ipc_sync.py --params-gb 0.99 --bucket-mb 512 --pushes 6 \
       --out "$OUT/cuda_ipc_sync.txt"
   step gpu_cuda_buffers_tests 80 python3 -m pytest -q -m gpu tests/gpu/test_cuda_buffers_gpu.py -s
+  # its $OUT/gpu_arith.json is a one-block run with no kill: keep it as its own result file, never as
+  # bench/results/gpu_arith.json (gpu_summary.py's source for the two-block run with a kill)
   step gpu_arith_tensor $(( $(left) - 65 )) python3 bench/gpu_arith.py --campaign /tmp/gpu-arith-tensor \
       --set sync.transport=tensor --set campaign.num_blocks=1 --set data.num_train_rows=1280 --no-kill
   tail -n 30 "$OUT/gpu_arith_tensor.log"
