@@ -11,8 +11,8 @@
 #                                          bench/cuda_ipc_sync.py and megatron_stage.py only (~170 s with the install);
 #                                          SYNC_3GB_ONLY=1: cuda_ipc_sync at the 3.4 GB size only (~130 s)
 #   source bench/device_calls.sh tests     the GPU tests, warm-start speed
-#   source bench/device_calls.sh tensor    CUDA-IPC bench, then gpu-arith's first block pushing over CUDA IPC (~340 s)
-#   source bench/device_calls.sh pending   what was built and not yet run on a GPU (~520 s; see the branch)
+#   source bench/device_calls.sh tensor    gpu-arith's first block pushing over CUDA IPC (~300 s)
+#   source bench/device_calls.sh pending   what was built and not yet run on a GPU (~400 s; then `tensor`)
 # Everything a call writes comes back in $OUT/results.tgz (and $OUT/steps.txt).
 call=${1:?arith, figures, sync, tensor, pending or tests}
 SECONDS=0
@@ -75,32 +75,28 @@ elif [ "$call" = sync ]; then
     cp bench/results/rollout_precision_gpu.* "$OUT/" 2>/dev/null
   fi
 elif [ "$call" = tensor ]; then
-  # ~340 s: the CUDA-IPC mechanism at the 1.7 B shape (BucketCopy's runs planned from addresses), then
-  # gpu-arith's first block (one epoch of 1,280 prompts) with the loop's own weight push over CUDA IPC
-  # (colocated, Megatron's layout), no kill
-  step cuda_ipc_sync_3gb 90 python3 bench/cuda_ipc_sync.py --params-gb 3.4 --bucket-mb 1024 --pushes 6 \
-      --out "$OUT/cuda_ipc_sync_3gb.txt"
+  # ~300 s: gpu-arith's first block (one epoch of 1,280 prompts) with the loop's own weight push over
+  # CUDA IPC (colocated, Megatron's layout), no kill. Its $OUT/gpu_arith.json is a one-block run with no
+  # kill: keep it as its own result file, never as bench/results/gpu_arith.json (gpu_summary.py's source)
   step gpu_arith_tensor $(( $(left) - 5 )) python3 bench/gpu_arith.py --campaign /tmp/gpu-arith-tensor \
       --set sync.transport=tensor --set campaign.num_blocks=1 --set data.num_train_rows=1280 --no-kill
   tail -n 30 "$OUT/gpu_arith_tensor.log"
 elif [ "$call" = pending ]; then
-  # what session 26 built and could not run (no machine started after its first three calls), ~520 s:
-  # BucketCopy's runs planned from addresses (the colocated rows of cuda_ipc_sync, both sizes), the
-  # whole-push sweep (test_cuda_buffers_gpu.py), gpu-arith's first block pushing over CUDA IPC, and
-  # a Megatron checkpoint against a raw write (never yet on a GPU)
+  # what session 26 built and could not run (no machine started after its first three calls), ~400 s;
+  # then `tensor` (gpu-arith pushing over CUDA IPC, ~300 s) on the same warm machine:
+  # BucketCopy's runs planned from addresses (cuda_ipc_sync's colocated rows, both sizes), the
+  # whole-push sweep and int4_qat in bf16 (GPU tests), int4_qat's tokens/s beside bf16, and a
+  # Megatron checkpoint against a raw write (never yet on a GPU)
   step cuda_ipc_sync_3gb 80 python3 bench/cuda_ipc_sync.py --params-gb 3.4 --bucket-mb 1024 --pushes 6 \
       --out "$OUT/cuda_ipc_sync_3gb.txt"
   step cuda_ipc_sync 60 python3 bench/cuda_ipc_sync.py --params-gb 0.99 --bucket-mb 512 --pushes 6 \
       --out "$OUT/cuda_ipc_sync.txt"
-  step gpu_cuda_buffers_tests 80 python3 -m pytest -q -m gpu tests/gpu/test_cuda_buffers_gpu.py -s
-  # its $OUT/gpu_arith.json is a one-block run with no kill: keep it as its own result file, never as
-  # bench/results/gpu_arith.json (gpu_summary.py's source for the two-block run with a kill)
-  step gpu_arith_tensor $(( $(left) - 65 )) python3 bench/gpu_arith.py --campaign /tmp/gpu-arith-tensor \
-      --set sync.transport=tensor --set campaign.num_blocks=1 --set data.num_train_rows=1280 --no-kill
-  tail -n 30 "$OUT/gpu_arith_tensor.log"
-  # issue 18's checkpoint save against a raw write of its bytes to the same disk, on the GPU (megatron)
+  step gpu_tests 130 python3 -m pytest -q -m gpu tests/gpu/test_cuda_buffers_gpu.py tests/gpu/test_megatron_int4_gpu.py -s
   step checkpoint_write 60 python3 bench/checkpoint_write.py --backend megatron --shape gpu-arith --rounds 3 \
       --out "$OUT/checkpoint_write_gpu.txt"
+  step int4_training $(( $(left) - 10 )) env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 \
+      bench/fp8_training.py --variant fuse=1,mb=4 --fp8-recipes "" --other-modes int4_qat --other-steps 20 \
+      --steps 30 --out "$OUT/int4_training.txt"
 else
   step gpu_tests 150 python3 -m pytest -q -m gpu tests/gpu/test_fp8_linear_gpu.py tests/gpu/test_engine_gpu.py \
       tests/gpu/test_packed_attention_gpu.py \

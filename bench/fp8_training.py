@@ -17,7 +17,7 @@ batches, cycled, timing each step (synced):
   recipe clears 1.15x is a measurement. `rowwise-fast`, `tensorwise-fast` (fast accumulation in
   the forward GEMM only: torchao's default for tensorwise), `rowwise-eager-casts`: on request.
 `--other-modes int4_qat,fp32`: those precision.train modes too, beside bf16 (issue 21's
-tokens/s per mode; int4_qat trains fp32 parameters with fake-quantised linears), no target.
+tokens/s per mode; int4_qat trains fake-quantised linears, in bf16 on a GPU), no target.
 Loss curve: every advantage +1, TIS off, engine logprobs 0, so each step maximises the
 responses' likelihood and `train/engine_logprob_absdiff_sum / loss tokens` is the batch's NLL
 before the step's update (as tests/integration/test_megatron_fp8.py). Data (`--data`): random
@@ -232,14 +232,14 @@ def main() -> None:
                     help=f"comma-separated of {sorted(RECIPES)}")
     ap.add_argument("--other-modes", default="",
                     help="comma-separated precision.train modes also trained beside bf16, after the fp8 ones "
-                         "(int4_qat: fp32 parameters, fake-quantised linears; fp32)")
+                         "(int4_qat: fake-quantised linears, bf16 parameters on a GPU and fp32 on a CPU "
+                         "(core/quant/modes.py int4_dtype); fp32)")
     ap.add_argument("--other-steps", type=int, default=10,
-                    help="steps of each --other-modes mode (a throughput figure; int4_qat's fp32 matmuls are "
-                         "several times slower than bf16's on a GPU); the NLL gap covers these steps")
+                    help="steps of each --other-modes mode (a throughput figure); the NLL gap covers these steps")
     ap.add_argument("--other-mb", type=int, default=0,
-                    help="micro-batch of the --other-modes modes (0: --variant's). int4_qat's fp32 parameters, "
-                         "gradients and Adam state ran out of memory at mb=4 on an 80 GB H100 at the 1.7 B shape; "
-                         "tokens/s stays comparable (same tokens a step, more micro-batches)")
+                    help="micro-batch of the --other-modes modes (0: --variant's). int4_qat with fp32 parameters "
+                         "(before 12-07) ran out of memory at mb=4 on an 80 GB H100 at the 1.7 B shape; tokens/s "
+                         "stays comparable (same tokens a step, more micro-batches)")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of the mean step time")
     ap.add_argument("--batches", type=int, default=4, help="fixed batches, cycled (>= --steps: a new batch a step)")

@@ -28,7 +28,7 @@ from milepost.core.fleet.launcher import (
 from milepost.core.fleet.router import router_command
 from milepost.core.model.moe import is_moe_model
 from milepost.core.placement import GROUP_NAME, Placement
-from milepost.core.quant.modes import disk_form
+from milepost.core.quant.modes import disk_form, int4_dtype
 from milepost.core.records import Stage, block_path, campaign_id
 from milepost.core.secrets import secret_path
 from milepost.tasks.context import ENGINE_ADMIN_KEY
@@ -117,8 +117,11 @@ def fleet_lines(recipe: Recipe, root: str, block: int = 0) -> list[str]:
         model = Deferred(f"{{{model} model, built and cached at first use}}")
     if disk_form(r.engine, recipe.precision.rollout) == "fp8":  # SGLang loads fp8 copies (fp8_folder.py)
         model = Deferred(f"{{{model.strip('{}')}: its block-wise fp8 copy, written at start under {root}/served}}")
+    # int4's --dtype is the trainer's (modes.int4_dtype): known once the stage sees the cluster's devices
+    int4 = (Deferred("{bfloat16 on GPUs, float32 on CPUs}") if recipe.train.backend == "megatron"
+            else int4_dtype(recipe.train.backend, False))
     template = engine_command(r, model, "0", colocated=colocated, host=host, admin_key=True, lora=recipe.train.lora,
-                              moe=is_moe_model(recipe.model.path), precision=recipe.precision.rollout)
+                              moe=is_moe_model(recipe.model.path), precision=recipe.precision.rollout, int4_dtype=int4)
     bundles = placement.bundles()
     out = [f"== {Stage.START_ENGINES}: {r.num_engines} × {r.engine} engine (TP {r.engine_tensor_parallel}), "
            f"{placement.mode}, as detached Ray actors; placement group {GROUP_NAME} (PACK), bundles: {bundles}",

@@ -24,6 +24,7 @@ def start_engines(ctx: StageContext) -> dict[str, Any]:
     from milepost.core.evaluate import record_base_eval
     from milepost.core.fleet.fleet import Fleet, stop_fleet_actors
     from milepost.core.placement import placement_for
+    from milepost.core.quant.modes import int4_dtype
     from milepost.core.train.torch_backend import RANK_NUM_CPUS
 
     timer = StartupTimer("start_engines")
@@ -42,11 +43,12 @@ def start_engines(ctx: StageContext) -> dict[str, Any]:
     log_dir.mkdir(parents=True, exist_ok=True)
     # Locally every server binds 127.0.0.1; on a cluster, its node's IP (host=None).
     host = "127.0.0.1" if ctx.recipe.cluster.executor == "local" else None
+    placement = placement_for(ctx.recipe, RANK_NUM_CPUS)
     fleet = Fleet.start(serve_path, ctx.recipe.rollout.num_engines, ctx.recipe.rollout, version, host,
-                        log_dir=str(log_dir), detached=True, on_change=ctx.write_fleet,
-                        placement=placement_for(ctx.recipe, RANK_NUM_CPUS),
+                        log_dir=str(log_dir), detached=True, on_change=ctx.write_fleet, placement=placement,
                         admin_key_path=ctx.engine_admin_key_path(), lora=lora, precision=ctx.recipe.precision.rollout,
-                        served_dir=ctx.store.local_path("served"))
+                        served_dir=ctx.store.local_path("served"),
+                        int4_dtype=int4_dtype(ctx.recipe.train.backend, placement.gpus))
     timer.mark("engines and router started")
     try:
         if lora is not None and latest:

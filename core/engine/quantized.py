@@ -3,10 +3,12 @@
 
 int4 (`precision.rollout: int4`; the format: core/quant/int4.py): every Linear that a trainer
 with `precision.train: int4_qat` fake-quantises is served from int4 values (packed eight to an
-int32, compressed-tensors' `weight_packed`) and float32 group scales, dequantised to float32
-for each matmul. They are quantised with the trainer's own function from the fp32 weights the
-engine loads or is pushed (any transport: disk, tensor, distributed), so the engine serves
-the trainer's fake-quantised weights bit for bit. The pushed weights stay in the layer's
+int32, compressed-tensors' `weight_packed`) and float32 group scales, dequantised to `--dtype`
+for each matmul: float32, or bfloat16 where the trainer computes int4_qat in bf16 (megatron on
+GPUs: core/quant/modes.py int4_dtype). They are quantised with the trainer's own function from
+the weights the engine loads or is pushed (any transport: disk, tensor, distributed), held in
+`--dtype` as the trainer holds them, so the engine serves the trainer's fake-quantised weights
+bit for bit. The pushed weights stay in the layer's
 `weight`, the weight receiver's landing tensor (names, shapes, staging and memory release
 work as for any model); no matmul reads them.
 
@@ -15,8 +17,8 @@ receiver counts (`WeightReceiver.generation`, bumped under model_lock by every s
 release and re-allocation). Forwards run under model_lock too, so a forward always computes
 with the int4 form of the weights it would otherwise have used.
 
-Refused at load: `--quantization int4` with a `--dtype` other than float32 (the trainer's fake
-quantisation is fp32). Int4 engines serve on the HF path (fast_path.py: the fast path fuses
+Refused at load: `--quantization int4` with a `--dtype` other than float32 or bfloat16 (the
+dtypes an int4_qat trainer computes in). Int4 engines serve on the HF path (fast_path.py: the fast path fuses
 q/k/v weights itself and would read the unquantised ones).
 
 fp8 (`precision.rollout: fp8`; the format: core/quant/fp8.py, SGLang's and DeepSeek-V3's
@@ -164,9 +166,9 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, quantization
 
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"--quantization {quantization}: the built-in engine serves {', '.join(QUANTIZATIONS)}")
-    if quantization == "int4" and dtype != torch.float32:
-        raise ValueError(f"--quantization int4 dequantises to float32 (as the int4_qat trainer computes), not "
-                         f"{dtype}: pass --dtype float32")
+    if quantization == "int4" and dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"--quantization int4 dequantises to the dtype the int4_qat trainer computes in, float32 or "
+                         f"bfloat16, not {dtype}: pass --dtype float32 or --dtype bfloat16")
     if quantization == "fp8" and not dtype.is_floating_point:
         raise ValueError(f"--quantization fp8 dequantises to the model's --dtype, a float type, not {dtype}")
     # fp8 quantises from float32 weights, as the trainer's sender does (module doc)

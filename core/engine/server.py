@@ -108,8 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                     "float32 (auto: float32 on CPU, 16-bit on CUDA)")
     ap.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                     help="SGLang's flag; the built-in engine's values: int4, Linears served as group-wise int4 "
-                         "quantised from the loaded and pushed weights (needs --dtype float32); fp8, Linears "
-                         "stored as block-wise fp8 (128 x 128 scales, SGLang's format), pushed in that format "
+                         "quantised from the loaded and pushed weights (--dtype float32 or bfloat16, the "
+                         "trainer's); fp8, Linears stored as block-wise fp8 (128 x 128 scales, SGLang's format), "
+                         "pushed in that format "
                          "and dequantised to --dtype for each matmul (quantized.py)")
     ap.add_argument("--decode-path", default="auto", choices=DECODE_PATHS,
                     help="auto: the static-cache fast path on CUDA, the HF path on CPU; static: the fast path "

@@ -112,6 +112,7 @@ class Fleet:
         self.colocated = False  # engines share the trainer's devices: SGLang gets --enable-memory-saver
         self.lora: LoraConfig | None = None  # train.lora: engines take adapters; `served` may be one
         self.precision = "fp32"  # precision.rollout: the engines' --dtype / --quantization (core/quant/modes.py)
+        self.int4_dtype = "float32"  # int4's --dtype: the int4_qat trainer's (modes.int4_dtype)
         self.served_dir = f"{self.log_dir}/served"  # the forms of HF folders its engines load (disk_form)
 
     @classmethod
@@ -119,16 +120,18 @@ class Fleet:
               host: str | None = "127.0.0.1", *, load_delay_s: float = 0.0, log_dir: str | None = None,
               detached: bool = False, on_change: Callable[[dict[str, Any]], None] | None = None,
               placement: Placement | None = None, admin_key_path: str | None = None,
-              lora: LoraConfig | None = None, precision: str = "fp32", served_dir: str | None = None) -> Fleet:
+              lora: LoraConfig | None = None, precision: str = "fp32", served_dir: str | None = None,
+              int4_dtype: str = "float32") -> Fleet:
         """Launch the engines, wait until each is healthy, start the router in front.
         `host` None: each engine and the router bind their node's IP (multi-node clusters).
         `load_delay_s` (tests only) makes every engine's cold start that much slower.
         `admin_key_path`: a file with the engines' admin key (module docstring). `served_dir`:
-        where the folders its engines load in a form of their own are written (`disk_form`)."""
+        where the folders its engines load in a form of their own are written (`disk_form`).
+        `int4_dtype`: with precision int4, the engines' --dtype (modes.int4_dtype)."""
         fleet = cls(model_path, weight_version, cfg, host, log_dir, detached, on_change, admin_key_path)
         fleet.supervisor.load_delay_s = load_delay_s
         fleet.lora = lora  # engines launch from the base weights with LoRA on (lora_push.py)
-        fleet.precision = precision
+        fleet.precision, fleet.int4_dtype = precision, int4_dtype
         fleet.served_dir = served_dir or fleet.served_dir
         fleet.check_disk_form()
         if placement is not None:
@@ -164,6 +167,7 @@ class Fleet:
         fleet.served = (path, str(version))
         fleet.lora = LoraConfig(**doc["lora"]) if doc.get("lora") else None
         fleet.precision = doc.get("precision", "fp32")
+        fleet.int4_dtype = doc.get("int4_dtype", "float32")
         fleet.served_dir = doc.get("served_dir") or fleet.served_dir
         if doc.get("engine_bundles") is not None:
             fleet.placement_group, fleet.engine_bundles = find_group(), list(doc["engine_bundles"])
@@ -276,7 +280,7 @@ class Fleet:
         return engine_command(self.cfg, self.disk_form(self.base_model_path), self.base_weight_version,
                               colocated=self.colocated,
                               host=self.host, admin_key=self.admin_key_path is not None, load_delay_s=load_delay_s,
-                              lora=self.lora, precision=self.precision)
+                              lora=self.lora, precision=self.precision, int4_dtype=self.int4_dtype)
 
     def engine_placement(self, index: int) -> dict[str, Any]:
         """Ray options putting engine `index` on its placement-group bundle (none without one),
@@ -301,7 +305,7 @@ class Fleet:
                     "engine_gpu_requests": self.engine_gpu_requests,
                     "colocated": self.colocated, "base_model_path": self.base_model_path,
                     "lora": self.lora.model_dump() if self.lora else None, "precision": self.precision,
-                    "served_dir": self.served_dir}
+                    "int4_dtype": self.int4_dtype, "served_dir": self.served_dir}
 
     def _changed(self) -> None:
         if self.on_change is not None:

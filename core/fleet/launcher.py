@@ -182,13 +182,14 @@ PLACEHOLDERS = {
 def engine_command(cfg: RolloutConfig, model_path: str, weight_version: str, *, colocated: bool,
                    host: str | None = None, admin_key: bool = False, load_delay_s: float = 0.0,
                    python: str | None = None, lora: LoraConfig | None = None, moe: bool | None = None,
-                   precision: str = "fp32") -> EngineCommand:
+                   precision: str = "fp32", int4_dtype: str = "float32") -> EngineCommand:
     """The launch template of one engine of `cfg` (rollout section). `host` None: the node's IP
     (`{node_ip}` until launch); ports are picked free on the node at launch; `admin_key`: the
     engine gets `--config` with the admin key (written by the actor on its node); `precision`:
-    precision.rollout, as --dtype (and --quantization) flags."""
+    precision.rollout, as --dtype (and --quantization) flags; `int4_dtype`: int4's --dtype, the
+    int4_qat trainer's (core/quant/modes.py int4_dtype)."""
     s = cfg.sglang
-    flags = engine_flags(precision)
+    flags = engine_flags(precision, int4_dtype)
     common: dict[str, Any] = dict(engine=cfg.engine, model_path=model_path, host=host or NODE_IP, port=FREE_PORT,
                   dtype=flags["dtype"], quantization=flags.get("quantization"),
                   weight_version=str(weight_version), max_running_requests=cfg.max_batch_size,

@@ -21,6 +21,7 @@ from typing import Any
 
 from milepost.core.config import Recipe
 from milepost.core.plan.arch import Architecture
+from milepost.core.quant.modes import int4_dtype
 
 
 @dataclass(frozen=True)
@@ -100,13 +101,16 @@ def train_layout(recipe: Recipe) -> TrainLayout:
                            micro_batch_tokens=t.micro_batch_size * seq, seq_tokens=seq, tokens_per_step=per_step,
                            **lora)
     m = t.megatron
+    on_gpu = roles(recipe).device == "gpu"
+    int4_bf16 = recipe.precision.train == "int4_qat" and int4_dtype("megatron", on_gpu) == "bfloat16"
     return TrainLayout(
         backend="megatron", num_ranks=t.num_ranks, tp=m.tensor_parallel, pp=m.pipeline_parallel,
         vpp=m.virtual_pipeline, cp=m.context_parallel, ep=m.expert_parallel,
         etp=m.expert_tensor_parallel or m.tensor_parallel, sequence_parallel=m.sequence_parallel,
         distributed_optimizer=m.distributed_optimizer, recompute=m.recompute,
-        # fp8 keeps bf16 parameters and fp32 masters (megatron/fp8.py): bf16's memory, activations included
-        precision="bf16" if recipe.precision.train in ("bf16", "fp8") else "fp32",
+        # fp8 keeps bf16 parameters and fp32 masters (megatron/fp8.py): bf16's memory, activations included;
+        # so does int4_qat on GPUs (quant/modes.py int4_dtype)
+        precision="bf16" if recipe.precision.train in ("bf16", "fp8") or int4_bf16 else "fp32",
         micro_batch_tokens=m.micro_batch_tokens, seq_tokens=seq, tokens_per_step=per_step, **lora)
 
 

@@ -25,14 +25,16 @@ from milepost.core.plan.layout import TrainLayout
 GB = 1e9
 BYTES = {"bf16": 2, "fp32": 4}
 # An engine's bytes per parameter of its decoder layers and per KV element by precision.rollout
-# (core/quant/modes.py): int4 keeps the pushed fp32 weights (the built-in engine's landing
-# buffers) beside int4 values (0.5 B) and fp32 scales (4 B per 128); fp8 holds e4m3 values and
+# (core/quant/modes.py): int4 keeps the pushed weights (the built-in engine's landing buffers,
+# fp32, or bf16 where the trainer computes int4_qat in bf16: "int4-bf16", modes.int4_dtype)
+# beside int4 values (0.5 B) and fp32 scales (4 B per 128); fp8 holds e4m3 values and
 # one fp32 scale per 128 x 128. Embeddings and the output head stay in the engine's dtype
 # (ENGINE_EMBEDDING_BYTES); the layers' norms and biases are counted with the layers (a few
 # thousandths of them).
-ENGINE_WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "int4": 4.0 + 0.5 + 4 / 128, "fp8": 1.0 + 4 / 128**2}
-ENGINE_EMBEDDING_BYTES = {"fp32": 4, "bf16": 2, "int4": 4, "fp8": 2}
-ENGINE_KV_BYTES = {"fp32": 4, "bf16": 2, "int4": 4, "fp8": 2}
+ENGINE_WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "int4": 4.0 + 0.5 + 4 / 128, "int4-bf16": 2.0 + 0.5 + 4 / 128,
+                       "fp8": 1.0 + 4 / 128**2}
+ENGINE_EMBEDDING_BYTES = {"fp32": 4, "bf16": 2, "int4": 4, "int4-bf16": 2, "fp8": 2}
+ENGINE_KV_BYTES = {"fp32": 4, "bf16": 2, "int4": 4, "int4-bf16": 2, "fp8": 2}
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from milepost.core.plan.layout import (
     train_layout,
 )
 from milepost.core.plan.memory import GB, MemoryItem, count_text, engine_memory, trainer_memory
+from milepost.core.quant.modes import int4_dtype
 
 # Share of GPU memory set aside for what the estimate leaves out: CUDA context (~0.5-1 GB), NCCL
 # buffers, allocator fragmentation, CUDA graphs. An allowance, not a measurement.
@@ -104,7 +105,9 @@ def make_plan(recipe: Recipe) -> Plan:
     arch, source = resolve_architecture(recipe.model)
     lay, r = train_layout(recipe), roles(recipe)
     stage, trainer = _worst_stage(arch, lay)
-    precision = recipe.precision.rollout  # the built-in engine serves it on a CPU too (--dtype, --quantization)
+    precision: str = recipe.precision.rollout  # the built-in engine serves it on a CPU too (--dtype, --quantization)
+    if precision == "int4" and int4_dtype(recipe.train.backend, r.device == "gpu") == "bfloat16":
+        precision = "int4-bf16"  # its landing weights in the trainer's bf16 (memory.py)
     engine = engine_memory(arch, r.engine_tp, precision, recipe.rollout.max_batch_size, lay.seq_tokens)
     gpu_gb = recipe.cluster.gpu_memory_gb
     reserve = RESERVE_FRACTION * gpu_gb * GB if r.device == "gpu" else 0.0

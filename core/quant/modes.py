@@ -6,8 +6,9 @@ the engines, and the start-up refusal of a mode the device cannot run.
 | fp32            | yes                              | yes                                 | `--dtype float32`      | `--dtype float32`     |
 | bf16            | bf16 autocast, fp32 weights      | GPU: bf16 params, fp32 master (its  | `--dtype bfloat16`     | `--dtype bfloat16`    |
 |                 |                                  | optimizer); CPU: autocast           |                        |                       |
-| int4_qat / int4 | fake-quantised Linears (STE)     | fp32 + the transformer linears      | `--quantization int4`  | refused (config.py)   |
-|                 |                                  | fake-quantised (megatron/int4_qat)  |                        |                       |
+| int4_qat / int4 | fake-quantised Linears (STE)     | the transformer linears fake-       | `--quantization int4`, | refused (config.py)   |
+|                 |                                  | quantised (megatron/int4_qat); GPU: | `--dtype` the trainer's|                       |
+|                 |                                  | bf16 params, fp32 master; CPU: fp32 | (`int4_dtype`)         |                       |
 | fp8             | refused: not built               | bf16 + the transformer linears'     | `--dtype bfloat16      | the same flags, from  |
 |                 |                                  | GEMMs through torch._scaled_mm      | --quantization fp8`:   | an fp8 folder of the  |
 |                 |                                  | (megatron/fp8.py); CUDA cc >= 8.9,  | block-wise fp8 weights | weights (`disk_form`, |
@@ -35,13 +36,13 @@ from dataclasses import dataclass
 
 from milepost.core.config import Recipe
 from milepost.core.errors import UserError
-from milepost.core.quant.fp8_folder import sglang_fp8_problem
 
 log = logging.getLogger(__name__)
 
 FP8_CAPABILITY = (8, 9)  # Ada / Hopper: the first with FP8 tensor cores (torch._scaled_mm)
 # SGLang's --dtype spelling (srt/server_args.py); the built-in engine takes the same values.
-ENGINE_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "int4": "float32", "fp8": "bfloat16"}
+# int4's is the trainer's (int4_dtype).
+ENGINE_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}
 # The same numbers on both sides: no gap for TIS to correct beyond kernel differences.
 MATCHED = {("fp32", "fp32"), ("bf16", "bf16"), ("int4_qat", "int4")}
 
@@ -77,15 +78,25 @@ def local_device() -> Device:
 def sent_weight_format(rollout: str) -> str | None:
     """What the trainer's weight sender sends for `precision.rollout` (core/train/weight_sender.py):
     "fp8" (block-wise fp8 weights and scales, quantised on sync) or None (its tensors as they are;
-    int4 engines quantise the pushed fp32 weights themselves)."""
+    int4 engines quantise the pushed weights themselves, held in the trainer's dtype)."""
     return "fp8" if rollout == "fp8" else None
 
 
-def engine_flags(rollout: str) -> dict[str, str]:
+def int4_dtype(train_backend: str, on_gpu: bool) -> str:
+    """The dtype `precision.train: int4_qat` computes in, and so the `--dtype` of an engine serving
+    `int4`: both sides dequantise the same q and scales to it, so the served weights are the
+    trained ones bit for bit (core/quant/int4.py). The megatron backend on GPUs trains int4_qat
+    as bf16 (bf16 parameters, fp32 master weights in its optimizer): fp32 GEMMs ran 0.087x bf16's
+    tokens/s on the lent H100 (bench/results/fp8_training_h100.txt, run 5). On CPUs, and in the
+    torch backend (fp32 parameters), it is fp32."""
+    return "bfloat16" if train_backend == "megatron" and on_gpu else "float32"
+
+
+def engine_flags(rollout: str, int4_engine_dtype: str = "float32") -> dict[str, str]:
     """Launch flags of an engine serving `precision.rollout` (SGLang's names). SGLang takes
     `--quantization fp8` with an fp8-serialised folder (`disk_form`); int4 on SGLang is
-    refused by the schema."""
-    flags = {"dtype": ENGINE_DTYPE[rollout]}
+    refused by the schema. `int4_engine_dtype`: int4's --dtype, the trainer's (`int4_dtype`)."""
+    flags = {"dtype": int4_engine_dtype if rollout == "int4" else ENGINE_DTYPE[rollout]}
     if rollout in ("int4", "fp8"):
         flags["quantization"] = rollout
     return flags
@@ -136,5 +147,6 @@ def served_problem(recipe: Recipe) -> str | None:
     if disk_form(recipe.rollout.engine, recipe.precision.rollout) != "fp8":
         return None
     from milepost.core.model.loading import model_hf_config
+    from milepost.core.quant.fp8_folder import sglang_fp8_problem  # torch: not at import (the planner imports this)
     config = model_hf_config(recipe.model)
     return None if config is None else sglang_fp8_problem(config, recipe.rollout.engine_tensor_parallel)

@@ -15,8 +15,9 @@
   an engine serving `precision.rollout: int4` builds from the same pushed fp32 weights, with
   straight-through gradients into the fp32 master weights. Parameters and their names are
   unchanged, so DDP, the optimizer, checkpoints and weight sync see the same tensors.
-- int4_qat, megatron backend: fp32 parameters, the transformer linears' weights fake-quantised
-  the same way inside megatron's linear (core/train/megatron/int4_qat.py).
+- int4_qat, megatron backend: the transformer linears' weights fake-quantised the same way
+  inside megatron's linear (core/train/megatron/int4_qat.py); on GPU with bf16 parameters and
+  fp32 masters (bf16's mixed precision), on CPU fp32 parameters (quant/modes.py int4_dtype).
 """
 
 from __future__ import annotations

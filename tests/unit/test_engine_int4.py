@@ -79,21 +79,41 @@ def test_a_disk_update_is_served_as_the_fake_quantised_new_weights(tmp_path) -> 
     assert len(served_rows(sched.model, "model.embed_tokens.weight", 5)) == 5  # SGLang's truncate_size: rows
 
 
-def test_int4_needs_float32_and_the_fast_path_refuses_it(tmp_path) -> None:
+def test_a_bf16_int4_engine_serves_what_a_bf16_int4_qat_trainer_computes_bit_for_bit(tmp_path) -> None:
+    """The megatron backend trains int4_qat in bf16 on GPUs (modes.int4_dtype), and pushes its bf16
+    weights: an engine at --dtype bfloat16 holds them as they are and dequantises the same q and
+    scales to bf16, which is the trainer's fake-quantised weight (a bf16 weight's, computed in fp32)."""
     _tiny(0).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"--quantization int4 dequantises to float32 .*pass --dtype float32"):
-        load_model(str(tmp_path), torch.device("cpu"), torch.bfloat16, "int4", lambda: 0)
+    model = load_model(str(tmp_path), torch.device("cpu"), torch.bfloat16, "int4", lambda: 0)
+    trainer = _tiny(0).to(torch.bfloat16)  # the trainer's bf16 parameters, cast from the same checkpoint
+    for name, layer in quantized_linears(trainer).items():
+        served = model.get_submodule(name)
+        assert isinstance(served, Int4Linear) and served.weight.dtype == torch.bfloat16
+        trained = fake_quantize_int4(layer.weight)
+        assert trained.dtype == torch.bfloat16 and torch.equal(served.served_weight(), trained)
+        # not the fp32 engine's: the product rounded to bf16 differs from it in most elements
+        assert not torch.equal(trained.float(), fake_quantize_int4(layer.weight.float()))
+
+
+def test_int4_needs_float32_or_bfloat16_and_the_fast_path_refuses_it(tmp_path) -> None:
+    _tiny(0).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"--quantization int4 dequantises to .* float32 or bfloat16, not "
+                                         r"torch.float16: pass --dtype float32 or --dtype bfloat16"):
+        load_model(str(tmp_path), torch.device("cpu"), torch.float16, "int4", lambda: 0)
     sched = SimpleNamespace(decode_path="static", lora=SimpleNamespace(enabled=False), routed_experts=False,
                             quantization="int4")
     with pytest.raises(ValueError, match="--decode-path static cannot serve this engine: --quantization int4"):
         fast_path_problem(sched, _tiny(0))
 
 
-@pytest.mark.parametrize("precision,dtype,quantization", [("fp32", "float32", None), ("bf16", "bfloat16", None),
-                                                          ("int4", "float32", "int4")])
-def test_each_rollout_precision_launches_the_builtin_engine_with_flags_it_parses(precision, dtype,
+@pytest.mark.parametrize("precision,int4,dtype,quantization", [
+    ("fp32", "float32", "float32", None), ("bf16", "float32", "bfloat16", None),
+    ("int4", "float32", "float32", "int4"), ("int4", "bfloat16", "bfloat16", "int4"),
+    ("bf16", "bfloat16", "bfloat16", None)])
+def test_each_rollout_precision_launches_the_builtin_engine_with_flags_it_parses(precision, int4, dtype,
                                                                                   quantization) -> None:
-    cmd = engine_command(RolloutConfig(), "/m", "0", colocated=False, host="127.0.0.1", precision=precision)
+    cmd = engine_command(RolloutConfig(), "/m", "0", colocated=False, host="127.0.0.1", precision=precision,
+                         int4_dtype=int4)
     argv = cmd.resolve(port=30000, python="python").argv()
     args = parse_args(argv[3:])
     assert (args.dtype, args.quantization) == (dtype, quantization)

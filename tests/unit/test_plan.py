@@ -125,6 +125,24 @@ def test_engine_weights_count_decoder_layers_in_the_rollout_format_and_embedding
                                                            + embeddings * embedding_bytes)
 
 
+def test_int4_qat_on_gpus_is_planned_as_bf16_training_and_its_engines_hold_bf16_landing_weights() -> None:
+    """The megatron backend trains int4_qat in bf16 on GPUs (bf16 parameters, fp32 masters), and
+    an int4 engine keeps the pushed weights in that dtype beside int4 values and scales
+    (core/quant/modes.py int4_dtype): bf16's trainer memory, 2 + 0.5 + 4/128 B an engine layer
+    parameter. On CPUs both stay fp32."""
+    def plan(*sets: str):
+        return make_plan(load_recipe(ROOT / "recipes" / "qwen3-8b-gsm8k.yaml", ["rollout.engine=builtin", *sets]))
+    bf16, int4 = plan("precision.train=bf16"), plan("precision.train=int4_qat", "precision.rollout=int4")
+    assert _items(int4)["weights"] == _items(bf16)["weights"] and _items(int4)["optimizer"] == _items(bf16)["optimizer"]
+    fp32_engine = plan("precision.train=int4_qat", "precision.rollout=int4", "train.backend=torch")
+    h, inter, vocab, layers, tp = 4096, 12288, 151936, 36, 2
+    per_layer = 2 * h * 32 * 128 // tp + 2 * (8 // tp) * 128 * h + 2 * 128 + 2 * h + 3 * h * inter // tp
+    embeddings = 2 * vocab * h // tp + h
+    assert _items(int4)["engine weights"] == pytest.approx(layers * per_layer * (2 + 0.5 + 4 / 128) + embeddings * 2)
+    assert _items(fp32_engine)["engine weights"] == pytest.approx(layers * per_layer * (4 + 0.5 + 4 / 128)
+                                                                  + embeddings * 4)
+
+
 def _refused(capsys, recipe: str, *overrides: str) -> str:
     args = ["plan", str(ROOT / "recipes" / recipe)] + [a for o in overrides for a in ("--set", o)]
     assert main(args) == 2

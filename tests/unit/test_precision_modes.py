@@ -10,7 +10,7 @@ import logging
 import pytest
 
 from milepost.cli import main
-from milepost.core.quant.modes import Device, PrecisionError, check_precision, engine_flags
+from milepost.core.quant.modes import Device, PrecisionError, check_precision, engine_flags, int4_dtype
 from milepost.core.recipe_io import RecipeError, load_recipe
 
 TINY = "recipes/tiny-arith.yaml"
@@ -89,6 +89,15 @@ def test_each_rollout_mode_gives_sglang_spelled_engine_flags() -> None:
     assert engine_flags("fp32") == {"dtype": "float32"}
     assert engine_flags("bf16") == {"dtype": "bfloat16"}
     assert engine_flags("int4") == {"dtype": "float32", "quantization": "int4"}
+    assert engine_flags("int4", "bfloat16") == {"dtype": "bfloat16", "quantization": "int4"}
+    assert engine_flags("bf16", "float32") == {"dtype": "bfloat16"}  # only int4 follows the trainer
+
+
+def test_int4_computes_in_bf16_where_megatron_trains_on_gpus_and_in_fp32_elsewhere() -> None:
+    assert int4_dtype("megatron", on_gpu=True) == "bfloat16"
+    assert int4_dtype("megatron", on_gpu=False) == "float32"
+    assert int4_dtype("torch", on_gpu=True) == "float32"  # the torch backend keeps fp32 parameters
+    assert int4_dtype("torch", on_gpu=False) == "float32"
     assert engine_flags("fp8") == {"dtype": "bfloat16", "quantization": "fp8"}
 
 

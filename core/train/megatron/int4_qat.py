@@ -4,7 +4,7 @@ RowParallelLinear) compute with their weight fake-quantised to group-wise int4
 (core/quant/int4.py, straight-through gradients), as the torch backend's Int4QatLinear does.
 
 Why the served policy is the trained one, bit for bit: an engine serving `precision.rollout:
-int4` quantises the pushed fp32 HF weights with the same function, one group per 128
+int4` quantises the pushed HF weights with the same function, one group per 128
 consecutive input features of one output row. A row's q and scales depend on that row
 alone, so the rows megatron fuses (q/k/v of a query group in linear_qkv, gate and up in
 linear_fc1) and the rows a column-parallel rank holds quantise as their HF rows do. A
@@ -15,10 +15,13 @@ build, naming the layer).
 
 What stays unquantised: the embedding, the output layer and MoE routers (`quantized_linears`
 leaves out the head and routers on the engine's side too), norms, attention.
-Parameters are fp32 (the master weights are the parameters; int4_qat is fp32 training with
-fake-quantised linears, as in the torch backend), and nothing else changes: DDP buckets,
-optimizer, checkpoints and exported weights are fp32 training's. Only the layer's class
-changes (a subclass with `_forward_impl` replaced), as fp8 does (megatron/fp8.py).
+Parameters are those of the dtype int4_qat computes in (core/quant/modes.py int4_dtype): on
+GPUs bf16, with fp32 master weights in megatron's optimizer (bf16 training with fake-quantised
+linears: the weight is quantised from the bf16 parameter in fp32 arithmetic and dequantised to
+bf16, as an engine at `--dtype bfloat16` serves it; fp32 GEMMs ran at 0.087x bf16's tokens/s on
+the H100); on CPUs fp32, as in the torch backend. Nothing else changes: DDP buckets, optimizer,
+checkpoints and exported weights are that dtype's training. Only the layer's class changes (a
+subclass with `_forward_impl` replaced), as fp8 does (megatron/fp8.py).
 """
 
 from __future__ import annotations

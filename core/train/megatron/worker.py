@@ -42,6 +42,7 @@ import torch.distributed as dist
 from milepost.core.algo.routing_replay import RankReplay
 from milepost.core.config import AlgoConfig, LoraConfig, TrainConfig
 from milepost.core.quant.fp8_cast import Fp8Recipe, weight_casts_reused
+from milepost.core.quant.modes import int4_dtype
 from milepost.core.tcp_store import bound_store
 from milepost.core.train.batch import padding_sample
 from milepost.core.train.megatron import cpu_compat, fusions, moe_tp, packed_attention
@@ -166,11 +167,13 @@ class MegatronRankWorker(SenderRank):
         self.pad_id = int(getattr(hf_cfg, "pad_token_id", None) or 0)
         # bf16 on GPU: bf16 parameters, fp32 master weights in megatron's optimizer; on CPU (whose bf16
         # optimizer wraps CUDA tensors only) fp32 parameters under bf16 autocast (core/train/precision.py).
-        # fp8 is bf16 training with the transformer linears' GEMMs in fp8 (megatron/fp8.py)
+        # fp8 is bf16 training with the transformer linears' GEMMs in fp8 (megatron/fp8.py); int4_qat is
+        # bf16 training with fake-quantised linears on GPU, fp32 on CPU (modes.int4_dtype: the engine's too)
         low = self.precision in ("bf16", "fp8")
         if self.precision == "fp8":
             check_fp8_device(self.device)
-        self.dtype = torch.bfloat16 if low and on_gpu else torch.float32
+        int4_bf16 = self.precision == "int4_qat" and int4_dtype("megatron", on_gpu) == "bfloat16"
+        self.dtype = torch.bfloat16 if (low and on_gpu) or int4_bf16 else torch.float32
         self.autocast = "bf16" if low and not on_gpu else "fp32"
         self.tconfig = transformer_config(self.spec, m, self.dtype, on_cpu=not on_gpu)
         chunks = self._build_chunks()
@@ -238,7 +241,7 @@ class MegatronRankWorker(SenderRank):
         chunks = [build_gpt_model(self.spec, self.tconfig, vp_stage=s).to(self.device) for s in stages]
         if self.precision == "fp8":
             self._attach_fp8(chunks)
-        elif self.precision == "int4_qat":  # fp32 parameters, int4 fake-quantised linears (megatron/int4_qat.py)
+        elif self.precision == "int4_qat":  # int4 fake-quantised linears (megatron/int4_qat.py), in self.dtype
             from milepost.core.train.megatron.int4_qat import attach_int4_qat
             layers = attach_int4_qat(chunks, self.tp_size)
             if self.rank == 0 and stages == [None]:
