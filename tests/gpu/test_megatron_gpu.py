@@ -31,15 +31,28 @@ def make_samples(n: int, seed: int) -> list:
     return out
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_worker_on_gpu_matches_hf_and_round_trips(tmp_path):
+def tiny_qwen3(folder, num_layers: int) -> None:
+    """A random fp32 Qwen3 saved to `folder`, the worker importable without Ray (the GPU test
+    machine may lack it; the worker itself does not need it)."""
     if "ray" not in sys.modules:
         try:
             import ray  # noqa: F401
-        except ImportError:  # the GPU test machine has no Ray; the worker itself does not need it
+        except ImportError:
             sys.modules["ray"] = types.ModuleType("ray")
-    from safetensors.torch import load_file
     from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=num_layers, num_attention_heads=8,
+                      num_key_value_heads=4, head_dim=32, intermediate_size=512, tie_word_embeddings=False,
+                      pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    Qwen3ForCausalLM(cfg).float().save_pretrained(folder)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_worker_on_gpu_matches_hf_and_round_trips(tmp_path):
+    model_dir = tmp_path / "model"
+    tiny_qwen3(model_dir, num_layers=3)
+    from safetensors.torch import load_file
+    from transformers import Qwen3ForCausalLM
 
     from milepost.core.algo.losses import rl_loss
     from milepost.core.config import AlgoConfig, TrainConfig
@@ -48,12 +61,6 @@ def test_worker_on_gpu_matches_hf_and_round_trips(tmp_path):
     from milepost.core.train.megatron.converter import write_index
     from milepost.core.train.megatron.worker import MegatronRankWorker
 
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=3, num_attention_heads=8,
-                      num_key_value_heads=4, head_dim=32, intermediate_size=512, tie_word_embeddings=False,
-                      pad_token_id=0, eos_token_id=1, bos_token_id=1)
-    model_dir = tmp_path / "model"
-    Qwen3ForCausalLM(cfg).float().save_pretrained(model_dir)
     hf = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda()
     samples = make_samples(6, seed=1)
     algo = AlgoConfig()

@@ -8,9 +8,6 @@ One worker per process (megatron's parallel state is global), so everything is o
 
 from __future__ import annotations
 
-import sys
-import types
-
 import pytest
 import torch
 
@@ -19,27 +16,17 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_int4_qat_trains_bf16_parameters_and_the_bf16_int4_engine_serves_them_bit_for_bit(tmp_path):
-    if "ray" not in sys.modules:
-        try:
-            import ray  # noqa: F401
-        except ImportError:  # the GPU test machine may lack Ray; the worker itself does not need it
-            sys.modules["ray"] = types.ModuleType("ray")
+    from tests.gpu.test_megatron_gpu import make_samples, tiny_qwen3
+    model_dir = tmp_path / "model"
+    tiny_qwen3(model_dir, num_layers=2)
     from safetensors.torch import load_file
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from milepost.core.config import AlgoConfig, TrainConfig
     from milepost.core.engine.quantized import Int4Linear, load_model
     from milepost.core.quant.int4 import fake_quantize_int4
     from milepost.core.train.megatron.converter import write_index
     from milepost.core.train.megatron.worker import MegatronRankWorker
-    from tests.gpu.test_megatron_gpu import make_samples
 
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=1000, hidden_size=256, num_hidden_layers=2, num_attention_heads=8,
-                      num_key_value_heads=4, head_dim=32, intermediate_size=512, tie_word_embeddings=False,
-                      pad_token_id=0, eos_token_id=1, bos_token_id=1)
-    model_dir = tmp_path / "model"
-    Qwen3ForCausalLM(cfg).float().save_pretrained(model_dir)
     samples = make_samples(6, seed=1)
     train = TrainConfig(backend="megatron", num_ranks=1, micro_batch_size=2, lr=1e-3, grad_clip=1.0,
                         megatron={"pack_sequences": True, "micro_batch_tokens": 64})
