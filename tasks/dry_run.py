@@ -118,8 +118,8 @@ def fleet_lines(recipe: Recipe, root: str, block: int = 0) -> list[str]:
     if disk_form(r.engine, recipe.precision.rollout) == "fp8":  # SGLang loads fp8 copies (fp8_folder.py)
         model = Deferred(f"{{{model.strip('{}')}: its block-wise fp8 copy, written at start under {root}/served}}")
     # int4's --dtype is the trainer's (modes.int4_dtype): known once the stage sees the cluster's devices
-    int4 = (Deferred("{bfloat16 on GPUs, float32 on CPUs}") if recipe.train.backend == "megatron"
-            else int4_dtype(recipe.train.backend, False))
+    on_gpus, on_cpus = int4_dtype(recipe.train.backend, True), int4_dtype(recipe.train.backend, False)
+    int4 = on_cpus if on_gpus == on_cpus else Deferred(f"{{{on_gpus} on GPUs, {on_cpus} on CPUs}}")
     template = engine_command(r, model, "0", colocated=colocated, host=host, admin_key=True, lora=recipe.train.lora,
                               moe=is_moe_model(recipe.model.path), precision=recipe.precision.rollout, int4_dtype=int4)
     bundles = placement.bundles()
