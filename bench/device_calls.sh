@@ -91,7 +91,11 @@ elif [ "$call" = pending ]; then
       --out "$OUT/cuda_ipc_sync_3gb.txt"
   step cuda_ipc_sync 60 python3 bench/cuda_ipc_sync.py --params-gb 0.99 --bucket-mb 512 --pushes 6 \
       --out "$OUT/cuda_ipc_sync.txt"
-  step gpu_tests 130 python3 -m pytest -q -m gpu tests/gpu/test_cuda_buffers_gpu.py tests/gpu/test_megatron_int4_gpu.py -s
+  step gpu_tests 150 python3 -m pytest -q -m gpu tests/gpu/test_cuda_buffers_gpu.py tests/gpu/test_megatron_int4_gpu.py \
+      tests/gpu/test_engine_gpu.py -s
+  # every precision.rollout mode on the fast path, int4 now among them (~40 s)
+  step rollout_precision 80 python3 bench/rollout_precision.py
+  cp bench/results/rollout_precision_gpu.* "$OUT/" 2>/dev/null
   step checkpoint_write 60 python3 bench/checkpoint_write.py --backend megatron --shape gpu-arith --rounds 3 \
       --out "$OUT/checkpoint_write_gpu.txt"
   step int4_training $(( $(left) - 10 )) env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 \

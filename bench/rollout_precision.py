@@ -5,10 +5,13 @@ autocast, what precision.train bf16 computes) on the same tokens.
 
 Every mode serves the same fp32 master weights, prepared as the engine prepares them
 (core/engine/quantized.py): fp32 and bf16 cast, fp8 block-quantised from fp32 (128 x 128
-scales, dequantised to bf16 for each matmul). All run the engine's fast path
-(ContinuousGenerator over StaticDecoder; CUDA graphs on a GPU), in this process, after a
-warm-up run; int4 is not here (its engine serves on the HF path only, so its tokens/s would
-compare paths, not formats).
+scales, dequantised to bf16 for each matmul), int4 group-quantised from the bf16 weights
+(what a megatron int4_qat trainer holds on a GPU; dequantised to bf16 for each matmul). All
+run the engine's fast path (ContinuousGenerator over StaticDecoder; CUDA graphs on a GPU), in
+this process, after a warm-up run. int4's trainers are int4_qat ones (fake-quantised fp32
+and bf16 copies of the master): that is the trainer an int4 engine serves. Its weight bytes
+count what the engine holds: the landing weights pushes fill (bf16) and the int4 values and
+scales the matmuls read.
 
 Shapes: `qwen2-0.5b` (494 M, the default on a GPU) or `tiny` (hidden 256, 4 layers: the CPU
 run). The weights are random (no model hub here), so the logits are nearly flat: the gaps
@@ -33,11 +36,12 @@ import torch.nn.functional as F
 
 from milepost.core.engine.continuous import ContinuousGenerator
 from milepost.core.engine.generation import SamplingParams, Sequence
-from milepost.core.engine.quantized import serve_fp8
+from milepost.core.engine.quantized import Int4Linear, serve_fp8, serve_int4
+from milepost.core.train.precision import attach_int4_qat
 
 RESULTS = Path(__file__).parent / "results"
 PROMPT = 64
-MODES = ("bf16", "fp8", "fp32")  # bf16 first: the reference of the ratios
+MODES = ("bf16", "fp8", "int4", "fp32")  # bf16 first: the reference of the ratios
 SHAPES = {
     "tiny": dict(vocab_size=4096, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2),
@@ -61,11 +65,27 @@ def served(model: torch.nn.Module, mode: str) -> torch.nn.Module:
     if mode == "fp8":
         serve_fp8(engine, torch.bfloat16)
         return engine
-    return engine.to(torch.bfloat16 if mode == "bf16" else torch.float32)
+    engine.to(torch.float32 if mode == "fp32" else torch.bfloat16)
+    if mode == "int4":
+        serve_int4(engine, lambda: 0)
+    return engine
+
+
+def trainers(model: torch.nn.Module, mode: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The fp32 and the bf16 trainer of `mode`'s engine: the master itself (bf16: under
+    autocast), or for int4 int4_qat copies of it in fp32 and in bf16 parameters."""
+    if mode != "int4":
+        return model, model
+    fp32, bf16 = copy.deepcopy(model), copy.deepcopy(model).to(torch.bfloat16)
+    attach_int4_qat(fp32)
+    attach_int4_qat(bf16)
+    return fp32, bf16
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Parameters, and an int4 layer's values and scales."""
+    extra = [t for m in model.modules() if isinstance(m, Int4Linear) for t in (m.weight_packed, m.weight_scale)]
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *extra] if t is not None)
 
 
 def decode(model: torch.nn.Module, rows: list[list[int]], new: int) -> tuple[float, list[Sequence]]:
@@ -133,9 +153,11 @@ def main() -> None:
         engine = served(model, mode)
         tok_s, seqs = decode(engine, rows, args.new)
         del engine
+        fp32_trainer, bf16_trainer = trainers(model, mode)
         row = {"tok_s": tok_s, "weight_bytes": weight_bytes(served(model, mode)),
-               "gap_vs_fp32_trainer": gap(seqs, trainer_logprobs(model, seqs, False)),
-               "gap_vs_bf16_trainer": gap(seqs, trainer_logprobs(model, seqs, True))}
+               "gap_vs_fp32_trainer": gap(seqs, trainer_logprobs(fp32_trainer, seqs, False)),
+               "gap_vs_bf16_trainer": gap(seqs, trainer_logprobs(bf16_trainer, seqs, True))}
+        del fp32_trainer, bf16_trainer
         reference = result["modes"].get("bf16", row)
         row["tok_s_vs_bf16"] = tok_s / reference["tok_s"]
         row["weight_bytes_vs_bf16"] = row["weight_bytes"] / reference["weight_bytes"]

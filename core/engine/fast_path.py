@@ -76,8 +76,6 @@ def fast_path_problem(sched: Scheduler, model: torch.nn.Module) -> str | None:
     problem: str | None
     if sched.lora.enabled or sched.routed_experts:
         problem = "LoRA adapters" if sched.lora.enabled else "routed-expert capture"
-    elif sched.quantization == "int4":  # quantized.py: int4 re-quantises lazily from landing weights
-        problem = f"--quantization {sched.quantization}"
     else:
         problem = unsupported_reason(model)
     if problem and sched.decode_path == "static":

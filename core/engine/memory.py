@@ -3,7 +3,8 @@
 
 When trainer and engines share devices, engines give their memory back while the trainer
 runs, and take it again before the next weight push. The weights are freed for real on
-every device. On the fast path (fast_path.py) the static KV cache (`kv_cache`) and the
+every device, and with them what the engine derives from them (an int4 engine's packed
+values and scales, quantized.py). On the fast path (fast_path.py) the static KV cache (`kv_cache`) and the
 captured CUDA graphs (`cuda_graph`) are freed too, the allocator's cache is emptied, and
 the answer says how much device memory the engine gave back and still holds. The HF path
 keeps no KV cache between batches and has no graphs: those tags have nothing to free there.
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from milepost.core.engine.quantized import forget_int4
 from milepost.core.engine.weight_receiver import Reply
 
 if TYPE_CHECKING:  # types only: the scheduler imports the parts of the engine
@@ -71,6 +73,7 @@ class MemoryOccupation:
                 if isinstance(shapes, str):
                     return 503, shapes
                 self._shapes = shapes
+                forget_int4(self.sched.model)  # derived from the weights (quantized.py): freed with them
             decoder = self._decoder()
             if decoder is not None:
                 if "kv_cache" in tags:

@@ -18,8 +18,12 @@ release and re-allocation). Forwards run under model_lock too, so a forward alwa
 with the int4 form of the weights it would otherwise have used.
 
 Refused at load: `--quantization int4` with a `--dtype` other than float32 or bfloat16 (the
-dtypes an int4_qat trainer computes in). Int4 engines serve on the HF path (fast_path.py: the fast path fuses
-q/k/v weights itself and would read the unquantised ones).
+dtypes an int4_qat trainer computes in). On the fast path (static_model.py) int4 projections
+are not fused: each computes through its own module, and the decoder calls `prepare` before
+every forward, outside any CUDA graph, so a stale layer re-quantises there, into the tensors
+its captured graphs read (same addresses). A memory release of the weights frees the int4
+values and scales too (`forget_int4`): what the engine holds while released is not a
+quarter of its weights.
 
 fp8 (`precision.rollout: fp8`; the format: core/quant/fp8.py, SGLang's and DeepSeek-V3's
 block-wise e4m3 with 128 x 128 scales): every Linear weight that `served_in_fp8` picks is
@@ -70,20 +74,38 @@ class Int4Linear(torch.nn.Linear):
     place by `serve_int4`, which sets the attributes below (plain attributes, not buffers:
     the state dict, which weight updates fill, keeps only `weight` and `bias`)."""
 
-    weight_packed: torch.Tensor  # int32 [out, ceil(in / 8)]
-    weight_scale: torch.Tensor  # float32 [out, groups]
+    weight_packed: torch.Tensor | None  # int32 [out, ceil(in / 8)]; None once forgotten
+    weight_scale: torch.Tensor | None  # float32 [out, groups]
     generation: Callable[[], int]  # the receiver's count of live-weight changes
     quantized_at: int | None
 
     def refresh(self) -> None:
+        """Quantise `weight` again, into the tensors held when they fit (captured CUDA
+        graphs read them by address)."""
         q, scale = quantize_int4(self.weight)
-        self.weight_packed, self.weight_scale = pack_int4(q), scale
+        packed = pack_int4(q)
+        if self.weight_packed is not None and self.weight_scale is not None \
+                and self.weight_packed.shape == packed.shape and self.weight_packed.device == packed.device:
+            self.weight_packed.copy_(packed)
+            self.weight_scale.copy_(scale)
+        else:
+            self.weight_packed, self.weight_scale = packed, scale
         self.quantized_at = self.generation()
+
+    def prepare(self) -> None:
+        """Re-quantise if the live weights changed since the last quantisation."""
+        if self.quantized_at != self.generation() or self.weight_packed is None:
+            self.refresh()
+
+    def forget(self) -> None:
+        """Drop the int4 values and scales (a memory release); the next `prepare` makes them."""
+        self.weight_packed = self.weight_scale = None
+        self.quantized_at = None
 
     def served_weight(self) -> torch.Tensor:
         """The weight every matmul uses: [out, in], dequantised from the int4 values."""
-        if self.quantized_at != self.generation():
-            self.refresh()
+        self.prepare()
+        assert self.weight_packed is not None and self.weight_scale is not None  # prepare made them
         return dequantize_int4(unpack_int4(self.weight_packed, self.in_features), self.weight_scale, self.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,8 +122,18 @@ def serve_int4(model: torch.nn.Module, generation: Callable[[], int]) -> list[st
         layer.__class__ = Int4Linear
         int4 = cast(Int4Linear, layer)  # what it now is
         int4.generation = generation
+        int4.weight_packed = int4.weight_scale = None
         int4.refresh()
     return sorted(layers)
+
+
+def forget_int4(model: torch.nn.Module) -> int:
+    """Free every Int4Linear's int4 values and scales (the weights' memory release); returns
+    how many layers held them."""
+    held = [m for m in model.modules() if isinstance(m, Int4Linear) and m.weight_packed is not None]
+    for layer in held:
+        layer.forget()
+    return len(held)
 
 
 class Fp8Linear(torch.nn.Linear):
@@ -174,7 +206,7 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, quantization
     # fp8 quantises from float32 weights, as the trainer's sender does (module doc)
     load_dtype = torch.float32 if quantization == "fp8" else dtype
     model = AutoModelForCausalLM.from_pretrained(path, dtype=load_dtype).eval()
-    if device.type == "cuda" and quantization is None:
+    if device.type == "cuda" and quantization in (None, "int4"):  # int4 lands pushes in `weight` as they are
         # moved to the GPU laid out back to back, before the fast path fuses projections and
         # captures graphs over them: a pushed update is then committed in a few span copies
         # (packing.py). Where q/k/v are not adjacent in the state dict (Qwen2's biases lie

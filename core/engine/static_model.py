@@ -11,9 +11,12 @@ and attention plumbing:
   that later decode steps overwrite before any query can see it).
 - Fused projections: each layer's q/k/v weights (and gate/up) become views of one buffer
   (`fuse_weights`), so one GEMM computes them; a weight update copied into a view lands in
-  the buffer, and nothing is held twice. Projections stored in another format than the
-  model's dtype (`--quantization fp8`: fp8 values with block scales, quantized.py) are not
-  fused: each one's own module computes its matmul (it dequantises its weight).
+  the buffer, and nothing is held twice. Projections stored in another form than a plain
+  Linear of the model's dtype (`--quantization fp8`: fp8 values with block scales; `int4`:
+  packed int4 values and scales; quantized.py) are not fused: each one's own module computes
+  its matmul (it dequantises its weight). One that keeps a form derived from its weight
+  (int4) is a `SelfPreparing` module: `prepare()` runs before every forward, outside any
+  CUDA graph, and updates that form in place after a weight update.
 - Decode: one token per row at fixed shapes (batch bucket × length bucket). Grouped
   queries attend as [rows, kv_heads, group, dim], so keys are never repeated per head.
   On CUDA each shape is captured once as a CUDA graph and replayed: a step's ~25 kernels
@@ -27,13 +30,21 @@ else is refused by `unsupported_reason` and served by the HF path (generation.py
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 
 SUPPORTED_TYPES = ("qwen2", "qwen3", "llama", "mistral")
 LENGTH_BUCKET = 256
+
+
+@runtime_checkable
+class SelfPreparing(Protocol):
+    """A projection that computes from a form derived from its weight (quantized.Int4Linear)."""
+
+    def prepare(self) -> None:
+        """Bring the derived form up to date with the weight, in place (graphs read it by address)."""
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -84,6 +95,8 @@ class StaticDecoder:
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool: Any = None  # torch.cuda.graph_pool_handle()
         self._fused: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None] | None = None
+        self._preparing: list[SelfPreparing] = [
+            m for m in model.modules() if isinstance(m, torch.nn.Linear) and isinstance(m, SelfPreparing)]
         with torch.inference_mode():
             positions = torch.arange(max_len, device=self.device).unsqueeze(0)
             cos, sin = model.model.rotary_emb(weight[:1].unsqueeze(0), positions)
@@ -119,7 +132,7 @@ class StaticDecoder:
         fused: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None] = []
         for layer in self.layers:
             a, m = layer.self_attn, layer.mlp
-            if a.q_proj.weight.dtype != self.dtype:
+            if type(a.q_proj) is not torch.nn.Linear or a.q_proj.weight.dtype != self.dtype:
                 fused.append(None)
                 continue
             bias = None if a.q_proj.bias is None else _fuse([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
@@ -130,6 +143,8 @@ class StaticDecoder:
     def _ready_weights(self) -> None:
         if self._fused is None:
             self.fuse_weights()
+        for module in self._preparing:
+            module.prepare()
 
     def _weights(self, index: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
         """Layer `index`'s fused (qkv weight, qkv bias, gate_up weight), None where not fused:

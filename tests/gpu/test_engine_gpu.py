@@ -72,6 +72,34 @@ def test_fp8_layers_replay_in_graphs_as_eagerly() -> None:
     assert eager == replayed
 
 
+def test_int4_layers_replay_in_graphs_as_eagerly_and_requantise_under_kept_graphs() -> None:
+    """precision.rollout int4 on the fast path (unfused int4 projections, dequantised inside the
+    captured graphs): replay gives the numbers of the same code run eagerly; after the receiver
+    counts a change of weights copied in place, the kept graphs serve the re-quantised weights
+    (Int4Linear.prepare writes them where the graphs read)."""
+    from milepost.core.engine.continuous import ContinuousGenerator
+    from milepost.core.engine.generation import SamplingParams, Sequence
+    from milepost.core.engine.quantized import serve_int4
+    model, generation = _model(0), [0]
+    assert len(serve_int4(model, lambda: generation[0])) == 7 * 8
+    (eager, _), (replayed, gen) = _eager_and_replayed(model)
+    assert set(gen.decoder._fused) == {None}
+    assert eager == replayed
+    with torch.no_grad():  # an update copied into the live weights, as a push lands it
+        for target, source in zip(model.parameters(), _model(1).parameters()):
+            target.copy_(source)
+    generation[0] += 1
+    graphs = dict(gen.decoder._graphs)
+    seqs = [Sequence(list(p), SamplingParams(**GREEDY), seed=0) for p in PROMPTS * 3]  # the shapes captured
+    assert gen.run(_feeder(list(seqs)), lambda s: None)
+    assert gen.decoder._graphs.keys() == graphs.keys()  # replayed, none captured anew
+    fresh, expected = _model(1), [Sequence(list(p), SamplingParams(**GREEDY), seed=0) for p in PROMPTS * 3]
+    serve_int4(fresh, lambda: 0)
+    assert ContinuousGenerator(fresh, [1], num_slots=16, max_len=512, use_graphs=False).run(
+        _feeder(list(expected)), lambda s: None)
+    assert [s.output_ids for s in seqs] == [s.output_ids for s in expected]
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     from tinymodels import start_engines, stop_engines

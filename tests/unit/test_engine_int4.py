@@ -2,7 +2,8 @@
 float32 scales, computes exactly what the int4_qat trainer computes, re-quantises when the
 weight receiver counts a change of the live weights (a disk update here; the pushed
 transports through a real engine process: tests/integration/test_int4_serving.py), needs
---dtype float32, serves on the HF path, and gets its flags from precision.rollout."""
+--dtype float32 or bfloat16, serves on either path (the fast path re-quantises in place before
+a forward, and frees the int4 values with the weights), and gets its flags from precision.rollout."""
 
 from __future__ import annotations
 
@@ -95,15 +96,82 @@ def test_a_bf16_int4_engine_serves_what_a_bf16_int4_qat_trainer_computes_bit_for
         assert not torch.equal(trained.float(), fake_quantize_int4(layer.weight.float()))
 
 
-def test_int4_needs_float32_or_bfloat16_and_the_fast_path_refuses_it(tmp_path) -> None:
+def test_int4_needs_float32_or_bfloat16(tmp_path) -> None:
     _tiny(0).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"--quantization int4 dequantises to .* float32 or bfloat16, not "
                                          r"torch.float16: pass --dtype float32 or --dtype bfloat16"):
         load_model(str(tmp_path), torch.device("cpu"), torch.float16, "int4", lambda: 0)
     sched = SimpleNamespace(decode_path="static", lora=SimpleNamespace(enabled=False), routed_experts=False,
                             quantization="int4")
-    with pytest.raises(ValueError, match="--decode-path static cannot serve this engine: --quantization int4"):
-        fast_path_problem(sched, _tiny(0))
+    assert fast_path_problem(sched, _tiny(0)) is None  # int4 engines serve on the fast path
+
+
+def test_the_fast_path_serves_int4_layers_unfused_and_requantises_in_place_before_a_forward() -> None:
+    """static_model.py computes int4 projections with their own modules (not fused: a fused
+    buffer would hold the unquantised weights), and asks each to `prepare` before a forward:
+    after the receiver counts a change, the layer re-quantises into the tensors it held
+    (captured CUDA graphs read them by address) and the logits are the trainer's fake-quantised
+    forward of the new weights. CUDA graphs of the same code: tests/gpu/test_engine_gpu.py."""
+    from milepost.core.engine.static_model import StaticDecoder
+
+    model, generation = _tiny(0), [0]
+    serve_int4(model, lambda: generation[0])
+    dec = StaticDecoder(model, num_slots=2, max_len=32, use_graphs=False)
+    dec.allocate()
+    layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    addresses = [(m.weight_packed.data_ptr(), m.weight_scale.data_ptr()) for m in layers]
+    prompts = [[3, 4, 5], [7, 8, 9, 10, 11]]
+
+    def check(trainer: Qwen2ForCausalLM) -> None:
+        nxt = torch.tensor([6, 13])
+        with torch.inference_mode():
+            last = dec.prefill(prompts, 0, all_logits=False)
+            dec.in_tokens[:2], dec.in_pos[:2] = nxt, torch.tensor([len(p) for p in prompts])
+            step = dec.decode(2, max(len(p) for p in prompts))
+            for i, p in enumerate(prompts):
+                ref = trainer(torch.tensor([p + [int(nxt[i])]])).logits[0]
+                assert torch.allclose(last[i], ref[-2], atol=1e-5) and torch.allclose(step[i], ref[-1], atol=1e-5)
+
+    trainer = _tiny(0)
+    attach_int4_qat(trainer)
+    check(trainer)
+    assert dec._fused == [None, None]  # not fused: int4 values with their own scales
+    new = _tiny(1)
+    with torch.no_grad():  # an update copied into the live weights, as a push lands it
+        for target, source in zip(model.parameters(), new.parameters()):
+            target.copy_(source)
+    generation[0] += 1
+    attach_int4_qat(new)
+    check(new)
+    assert [(m.weight_packed.data_ptr(), m.weight_scale.data_ptr()) for m in layers] == addresses
+
+
+def test_an_int4_engine_on_the_fast_path_serves_a_disk_update_and_frees_its_int4_values_with_its_weights(
+        tmp_path) -> None:
+    """The scheduler's fast path (`--decode-path static` on CPU) serves an int4 engine; a memory
+    release of the weights frees each layer's packed values and scales with them, and after the
+    resume and an update the engine serves the fake-quantised new weights again."""
+    first, second = str(tmp_path / "a"), str(tmp_path / "b")
+    _tiny(0).save_pretrained(first)
+    _tiny(1).save_pretrained(second)
+    sched = Scheduler(first)
+    sched.device, sched.dtype, sched.quantization, sched.decode_path = "cpu", "float32", "int4", "static"
+    sched.mem_fraction_static = 0.01
+    sched.load()
+    assert sched.driver is not None  # the fast path
+    layers = [m for m in sched.model.modules() if isinstance(m, Int4Linear)]
+    assert len(layers) == 14 and all(m.weight_packed is not None for m in layers)
+    status, message = sched.memory.release(["weights"])
+    assert status == 200, message
+    assert all(m.weight_packed is None and m.weight_scale is None for m in layers)
+    status, message = sched.memory.resume(["weights"])
+    assert status == 200, message
+    ok, message = sched.update_weights(second, "1", flush_cache=False, abort_all=False)
+    assert ok, message
+    expected = _tiny(1)
+    for name, layer in quantized_linears(expected).items():
+        served = torch.tensor(served_rows(sched.model, f"{name}.weight", 10**6))
+        assert torch.equal(served, fake_quantize_int4(layer.weight))
 
 
 @pytest.mark.parametrize("precision,int4,dtype,quantization", [
