@@ -60,7 +60,13 @@ from milepost.core.quant.fp8 import (
     scale_name,
     served_in_fp8,
 )
-from milepost.core.quant.int4 import dequantize_int4, pack_int4, quantize_int4, quantized_linears, unpack_int4
+from milepost.core.quant.int4 import (
+    compiled_dequantize_packed,
+    dequantize_packed,
+    pack_int4,
+    quantize_int4,
+    quantized_linears,
+)
 from milepost.core.weight_sync.packing import pack_parameters
 
 if TYPE_CHECKING:  # types only: the scheduler imports the parts of the engine
@@ -106,7 +112,8 @@ class Int4Linear(torch.nn.Linear):
         """The weight every matmul uses: [out, in], dequantised from the int4 values."""
         self.prepare()
         assert self.weight_packed is not None and self.weight_scale is not None  # prepare made them
-        return dequantize_int4(unpack_int4(self.weight_packed, self.in_features), self.weight_scale, self.weight.dtype)
+        dequantize = compiled_dequantize_packed() if self.weight_packed.is_cuda else dequantize_packed
+        return dequantize(self.weight_packed, self.weight_scale, self.in_features, self.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.served_weight(), self.bias)

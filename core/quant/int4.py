@@ -21,7 +21,9 @@ Which layers: every `nn.Linear` but the output head and MoE routers (`quantized_
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -70,6 +72,21 @@ def dequantize_int4(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32
         x = torch.nn.functional.pad(x, (0, n * g - cols))
     w = x.view(out, n, g) * scale.float().unsqueeze(-1)
     return w.view(out, n * g)[:, :cols].to(dtype)
+
+
+def dequantize_packed(packed: Tensor, scale: Tensor, in_features: int, dtype: torch.dtype) -> Tensor:
+    """packed: int32 [out, words], scale: float32 [out, groups] -> the weight used: [out, in_features]
+    in `dtype` (unpack_int4, then dequantize_int4)."""
+    return dequantize_int4(unpack_int4(packed, in_features), scale, dtype)
+
+
+@functools.cache
+def compiled_dequantize_packed() -> Callable[[Tensor, Tensor, int, torch.dtype], Tensor]:
+    """`dequantize_packed` as one compiled kernel (an int4 engine on a GPU dequantises every
+    weight at every forward: eager, the int64 unpacking alone moves 16 bytes a weight). Its
+    arithmetic is elementwise (shifts, one float32 product, one cast), so its bits are the
+    eager function's; tests/gpu/test_megatron_int4_gpu.py compares them with the trainer's."""
+    return torch.compile(dequantize_packed, dynamic=True)
 
 
 class _FakeQuantInt4(torch.autograd.Function):
