@@ -85,9 +85,12 @@ class Int4Linear(torch.nn.Linear):
     generation: Callable[[], int]  # the receiver's count of live-weight changes
     quantized_at: int | None
 
+    @torch.inference_mode()
     def refresh(self) -> None:
         """Quantise `weight` again, into the tensors held when they fit (captured CUDA
-        graphs read them by address)."""
+        graphs read them by address). Always in inference mode: the first forward after a
+        release makes them there (the fast path decodes in it), and an inference tensor can
+        only be written in it (a later refresh may come from /get_weights_by_name)."""
         q, scale = quantize_int4(self.weight)
         packed = pack_int4(q)
         if self.weight_packed is not None and self.weight_scale is not None \

@@ -15,7 +15,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from milepost.core.config import RolloutConfig
 from milepost.core.engine.fast_path import fast_path_problem
-from milepost.core.engine.quantized import Int4Linear, load_model, serve_int4, served_rows
+from milepost.core.engine.quantized import Int4Linear, forget_int4, load_model, serve_int4, served_rows
 from milepost.core.engine.scheduler import Scheduler
 from milepost.core.engine.server import parse_args
 from milepost.core.fleet.launcher import engine_command
@@ -58,6 +58,23 @@ def test_a_layer_requantises_when_the_receiver_counts_a_change_and_only_then() -
     new = torch.randn_like(layer.weight) * 0.05
     layer.weight.data = new
     assert torch.equal(layer.served_weight(), old)  # uncounted: nothing tells it (the receiver always counts)
+    generation[0] += 1
+    assert torch.equal(layer.served_weight(), fake_quantize_int4(new))
+
+
+def test_int4_values_made_again_in_inference_mode_can_be_refreshed_outside_it() -> None:
+    """After a release (forget_int4) the fast path's first forward, in inference mode, makes
+    the int4 values again; the next change may be read first by /get_weights_by_name, in
+    normal mode: the refresh writes them in place all the same."""
+    model, generation = _tiny(0), [0]
+    serve_int4(model, lambda: generation[0])
+    assert forget_int4(model) == 14 and forget_int4(model) == 0
+    with torch.inference_mode():
+        model(input_ids=IDS)
+    layer = model.model.layers[0].self_attn.o_proj
+    new = torch.randn_like(layer.weight) * 0.05
+    with torch.no_grad():
+        layer.weight.copy_(new)
     generation[0] += 1
     assert torch.equal(layer.served_weight(), fake_quantize_int4(new))
 
