@@ -12,7 +12,7 @@
 #                                          SYNC_3GB_ONLY=1: cuda_ipc_sync at the 3.4 GB size only (~130 s)
 #   source bench/device_calls.sh tests     the GPU tests, warm-start speed
 #   source bench/device_calls.sh tensor    gpu-arith's first block pushing over CUDA IPC (~300 s)
-#   source bench/device_calls.sh pending   what was built and not yet run on a GPU (~400 s; then `tensor`)
+#   source bench/device_calls.sh pending   what was built and not yet run on a GPU (~450 s; then `tensor`)
 # Everything a call writes comes back in $OUT/results.tgz (and $OUT/steps.txt).
 call=${1:?arith, figures, sync, tensor, pending or tests}
 SECONDS=0
@@ -82,11 +82,12 @@ elif [ "$call" = tensor ]; then
       --set sync.transport=tensor --set campaign.num_blocks=1 --set data.num_train_rows=1280 --no-kill
   tail -n 30 "$OUT/gpu_arith_tensor.log"
 elif [ "$call" = pending ]; then
-  # what session 26 built and could not run (no machine started after its first three calls), ~400 s;
-  # then `tensor` (gpu-arith pushing over CUDA IPC, ~300 s) on the same warm machine:
-  # BucketCopy's runs planned from addresses (cuda_ipc_sync's colocated rows, both sizes), the
-  # whole-push sweep and int4_qat in bf16 (GPU tests), int4_qat's tokens/s beside bf16, and a
-  # Megatron checkpoint against a raw write (never yet on a GPU)
+  # what sessions 26 and 27 built and could not run (no machine started, or it was taken back
+  # mid-call), ~450 s; then `tensor` (gpu-arith pushing over CUDA IPC, ~300 s) on the same warm
+  # machine: BucketCopy's runs planned from addresses (cuda_ipc_sync's colocated rows, both
+  # sizes), the whole-push sweep, int4_qat in bf16 and int4 on the engine's fast path (GPU
+  # tests), int4 rollout's tokens/s beside bf16 (rollout_precision), int4_qat's training
+  # tokens/s beside bf16, and a Megatron checkpoint against a raw write (never yet on a GPU)
   step cuda_ipc_sync_3gb 80 python3 bench/cuda_ipc_sync.py --params-gb 3.4 --bucket-mb 1024 --pushes 6 \
       --out "$OUT/cuda_ipc_sync_3gb.txt"
   step cuda_ipc_sync 60 python3 bench/cuda_ipc_sync.py --params-gb 0.99 --bucket-mb 512 --pushes 6 \
