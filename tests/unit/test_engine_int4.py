@@ -79,20 +79,32 @@ def test_int4_values_made_again_in_inference_mode_can_be_refreshed_outside_it() 
     assert torch.equal(layer.served_weight(), fake_quantize_int4(new))
 
 
-def test_a_disk_update_is_served_as_the_fake_quantised_new_weights(tmp_path) -> None:
+def _int4_scheduler(tmp_path, decode_path: str) -> tuple[Scheduler, str]:
+    """A loaded float32 int4 engine of _tiny(0) on CPU, and the folder of _tiny(1) to update to."""
     first, second = str(tmp_path / "a"), str(tmp_path / "b")
     _tiny(0).save_pretrained(first)
     _tiny(1).save_pretrained(second)
     sched = Scheduler(first)
-    sched.device, sched.dtype, sched.quantization = "cpu", "float32", "int4"
+    sched.device, sched.dtype, sched.quantization, sched.decode_path = "cpu", "float32", "int4", decode_path
+    sched.mem_fraction_static = 0.01 if decode_path == "static" else None  # the fast path's cache: 1 % of the RAM
     sched.load()
-    assert sched.driver is None  # the HF path
-    ok, message = sched.update_weights(second, "1", flush_cache=False, abort_all=False)
+    return sched, second
+
+
+def _update_serves_the_fake_quantised_new_weights(sched: Scheduler, folder: str) -> Qwen2ForCausalLM:
+    ok, message = sched.update_weights(folder, "1", flush_cache=False, abort_all=False)
     assert ok, message
     expected = _tiny(1)
     for name, layer in quantized_linears(expected).items():
         served = torch.tensor(served_rows(sched.model, f"{name}.weight", 10**6))
         assert torch.equal(served, fake_quantize_int4(layer.weight))
+    return expected
+
+
+def test_a_disk_update_is_served_as_the_fake_quantised_new_weights(tmp_path) -> None:
+    sched, second = _int4_scheduler(tmp_path, "auto")
+    assert sched.driver is None  # the HF path
+    expected = _update_serves_the_fake_quantised_new_weights(sched, second)
     assert torch.equal(torch.tensor(served_rows(sched.model, "model.norm.weight", 10**6)), expected.model.norm.weight)
     assert len(served_rows(sched.model, "model.embed_tokens.weight", 5)) == 5  # SGLang's truncate_size: rows
 
@@ -168,13 +180,7 @@ def test_an_int4_engine_on_the_fast_path_serves_a_disk_update_and_frees_its_int4
     """The scheduler's fast path (`--decode-path static` on CPU) serves an int4 engine; a memory
     release of the weights frees each layer's packed values and scales with them, and after the
     resume and an update the engine serves the fake-quantised new weights again."""
-    first, second = str(tmp_path / "a"), str(tmp_path / "b")
-    _tiny(0).save_pretrained(first)
-    _tiny(1).save_pretrained(second)
-    sched = Scheduler(first)
-    sched.device, sched.dtype, sched.quantization, sched.decode_path = "cpu", "float32", "int4", "static"
-    sched.mem_fraction_static = 0.01
-    sched.load()
+    sched, second = _int4_scheduler(tmp_path, "static")
     assert sched.driver is not None  # the fast path
     layers = [m for m in sched.model.modules() if isinstance(m, Int4Linear)]
     assert len(layers) == 14 and all(m.weight_packed is not None for m in layers)
@@ -183,12 +189,7 @@ def test_an_int4_engine_on_the_fast_path_serves_a_disk_update_and_frees_its_int4
     assert all(m.weight_packed is None and m.weight_scale is None for m in layers)
     status, message = sched.memory.resume(["weights"])
     assert status == 200, message
-    ok, message = sched.update_weights(second, "1", flush_cache=False, abort_all=False)
-    assert ok, message
-    expected = _tiny(1)
-    for name, layer in quantized_linears(expected).items():
-        served = torch.tensor(served_rows(sched.model, f"{name}.weight", 10**6))
-        assert torch.equal(served, fake_quantize_int4(layer.weight))
+    _update_serves_the_fake_quantised_new_weights(sched, second)
 
 
 @pytest.mark.parametrize("precision,int4,dtype,quantization", [
