@@ -3,10 +3,11 @@
 A trainer with precision.train int4_qat (the torch backend, and the megatron backend, whose fused
 qkv and gate/up rows quantise as their HF rows: one rank in a real Ray actor) and a real
 built-in engine process launched with precision.rollout int4's flags (`--dtype float32
---quantization int4`). Each round the engine samples responses (with its logprobs), the
-trainer takes an optimizer step on them, and the new weights are pushed through one transport
-(disk, tensor, distributed). After every push, every quantised Linear the engine serves
-(SGLang's /get_weights_by_name: the weight its matmuls use) is bit for bit
+--quantization int4`), on the HF path and on the fast path. Each round the engine samples
+responses (with its logprobs), the trainer takes an optimizer step on them, and the new
+weights are pushed through one transport (disk, tensor, distributed). After every push, every
+quantised Linear the engine serves (SGLang's /get_weights_by_name: the weight its matmuls use)
+is bit for bit
 `fake_quantize_int4` of the trainer's fp32 master weight — what the trainer's forward computes
 with — and the trainer's forward gives the engine's logprobs of the engine's samples.
 """
@@ -39,21 +40,24 @@ def _model(path: str) -> list[str]:
     return sorted(quantized_linears(model))
 
 
-@pytest.mark.parametrize("backend_name", ["torch", "megatron"])
+@pytest.mark.parametrize("backend_name,decode_path", [("torch", "auto"), ("megatron", "auto"), ("torch", "static")])
 def test_int4_engine_serves_the_trainers_fake_quantised_weights_bit_for_bit_after_every_transport(
-        tmp_path, backend_name: str) -> None:
+        tmp_path, backend_name: str, decode_path: str) -> None:
+    """decode_path `auto` is the HF path on CPU; `static` is the fast path a GPU engine takes
+    (CUDA graphs aside), re-quantising before the forward that follows each push."""
     path = str(tmp_path / "model")
     layers = _model(path)
     argv = engine_command(RolloutConfig(), path, "0", colocated=False, host="127.0.0.1", precision="int4").argv()
     flags = argv[argv.index("--dtype"):argv.index("--weight-version")]
     assert flags == ["--dtype", "float32", "--quantization", "int4"]  # what precision.rollout int4 launches
     ray.init(num_cpus=2, include_dashboard=False)
-    engines = start_engines(path, tmp_path, 1, *flags, "--weight-update-timeout-s", "30")
+    engines = start_engines(path, tmp_path, 1, *flags, "--weight-update-timeout-s", "30", "--decode-path", decode_path)
     backend = create_backend(path, TrainConfig(backend=backend_name, num_ranks=1, micro_batch_size=8, lr=1e-2),
                              AlgoConfig(), 1.0, seed=0, precision="int4_qat", rollout_precision="int4")
     try:
         client, url = engines[0][1], engines[0][1].base_url
-        assert client.server_info()["quantization"] == "int4"
+        info = client.server_info()
+        assert info["quantization"] == "int4" and info["decode_path"] == ("fast" if decode_path == "static" else "hf")
         gaps, before = [], served_weight(url, f"{layers[0]}.weight")
         for step, name in enumerate(("disk", "tensor", "distributed"), start=1):
             # the trainer's forward vs the engine's logprobs
