@@ -7,9 +7,9 @@ built-in engine process launched with precision.rollout int4's flags (`--dtype f
 responses (with its logprobs), the trainer takes an optimizer step on them, and the new
 weights are pushed through one transport (disk, tensor, distributed). After every push, every
 quantised Linear the engine serves (SGLang's /get_weights_by_name: the weight its matmuls use)
-is bit for bit
-`fake_quantize_int4` of the trainer's fp32 master weight — what the trainer's forward computes
-with — and the trainer's forward gives the engine's logprobs of the engine's samples.
+is bit for bit `fake_quantize_int4` of the trainer's fp32 master weight — what the trainer's
+forward computes with — and the trainer's forward gives the engine's logprobs of the engine's
+samples.
 """
 
 from __future__ import annotations
