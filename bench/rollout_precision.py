@@ -152,9 +152,10 @@ def main() -> None:
     for mode in MODES:
         engine = served(model, mode)
         tok_s, seqs = decode(engine, rows, args.new)
+        held = weight_bytes(engine)
         del engine
         fp32_trainer, bf16_trainer = trainers(model, mode)
-        row = {"tok_s": tok_s, "weight_bytes": weight_bytes(served(model, mode)),
+        row = {"tok_s": tok_s, "weight_bytes": held,
                "gap_vs_fp32_trainer": gap(seqs, trainer_logprobs(fp32_trainer, seqs, False)),
                "gap_vs_bf16_trainer": gap(seqs, trainer_logprobs(bf16_trainer, seqs, True))}
         del fp32_trainer, bf16_trainer
