@@ -54,6 +54,7 @@ from fastapi.responses import JSONResponse
 
 from milepost.core.quant.fp8 import (
     FP8_DTYPE,
+    compiled_dequantize_fp8_blockwise,
     dequantize_fp8_blockwise,
     quantize_fp8_blockwise,
     quantize_state_fp8,
@@ -155,7 +156,8 @@ class Fp8Linear(torch.nn.Linear):
 
     def served_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight every matmul uses: [out, in] in `dtype`, dequantised."""
-        return dequantize_fp8_blockwise(self.weight, self.weight_scale_inv, dtype)
+        dequantize = compiled_dequantize_fp8_blockwise() if self.weight.is_cuda else dequantize_fp8_blockwise
+        return dequantize(self.weight, self.weight_scale_inv, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.served_weight(x.dtype), self.bias)

@@ -23,8 +23,9 @@ bits; e4m3's smallest subnormal is 2**-9), plus float32 rounding.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -98,6 +99,18 @@ def dequantize_fp8_blockwise(q: Tensor, scale_inv: Tensor, dtype: torch.dtype = 
                          f"got {list(scale_inv.shape)}")
     blocks = _blocks(q.float()) * scale_inv.float()[:, None, :, None]
     return blocks.view(scale_inv.shape[0] * BLOCK, -1)[:out, :cols].to(dtype)
+
+
+@functools.cache
+def compiled_dequantize_fp8_blockwise() -> Callable[[Tensor, Tensor, torch.dtype], Tensor]:
+    """`dequantize_fp8_blockwise` as one compiled kernel. Why: an fp8 engine on a GPU
+    dequantises every weight at every forward, and eagerly that is three passes or more (the
+    float32 copy, the padding of a ragged edge, the product, the cast) moving ~19 bytes a
+    weight where one kernel reads 1 byte and writes the dtype's 2; bf16 rollout ran 2.2x fp8's tok/s on the
+    lent H100 that way (bench/results/rollout_precision_gpu.txt, 12-05). One float32 product
+    and one cast per element, so its bits are the eager function's (tests/unit/test_quant_fp8.py
+    on CPU, tests/gpu/test_engine_gpu.py on CUDA)."""
+    return torch.compile(dequantize_fp8_blockwise, dynamic=True)
 
 
 def scale_name(weight_name: str) -> str:

@@ -14,6 +14,7 @@ from milepost.core.quant.fp8 import (
     FP8_DTYPE,
     FP8_MAX,
     QUANTIZATION_CONFIG,
+    compiled_dequantize_fp8_blockwise,
     dequantize_fp8_blockwise,
     quantize_fp8_blockwise,
     quantize_state_fp8,
@@ -93,3 +94,14 @@ def test_matches_transformers_finegrained_fp8_bit_for_bit_on_aligned_shapes() ->
     assert torch.equal(q.view(torch.uint8), theirs["x.weight"].view(torch.uint8))
     assert torch.equal(s, theirs["x.weight_scale_inv"])
     assert torch.equal(dequantize_fp8_blockwise(q, s), _dequantize_fp8_weight(q, s, [128, 128], torch.float32))
+
+
+def test_the_compiled_dequantisation_a_gpu_engine_uses_equals_the_eager_one_bit_for_bit() -> None:
+    # compiled here on CPU (inductor), as Fp8Linear compiles it on CUDA: aligned and ragged
+    # blocks, float32 and bf16 out, one compile for every shape (dynamic)
+    torch.manual_seed(0)
+    for shape in ((256, 384), (200, 130), (64, 16)):
+        q, scale_inv = quantize_fp8_blockwise(torch.randn(*shape) * 3)
+        for dtype in (torch.float32, torch.bfloat16):
+            compiled = compiled_dequantize_fp8_blockwise()(q, scale_inv, dtype)
+            assert compiled.dtype == dtype and torch.equal(compiled, dequantize_fp8_blockwise(q, scale_inv, dtype))

@@ -9,7 +9,9 @@ import torch
 from milepost.core.quant.int4 import (
     GROUP_SIZE,
     MIN_SCALE,
+    compiled_dequantize_packed,
     dequantize_int4,
+    dequantize_packed,
     fake_quantize_int4,
     group_size,
     num_groups,
@@ -87,3 +89,15 @@ def test_every_linear_but_the_output_head_and_moe_routers_is_quantised() -> None
     router = torch.nn.Module()
     router.gate = torch.nn.Linear(4, 2)
     assert quantized_linears(router) == {}
+
+
+def test_the_compiled_dequantisation_a_gpu_engine_uses_equals_the_eager_one_bit_for_bit() -> None:
+    # compiled here on CPU (inductor), as Int4Linear compiles it on CUDA: whole and ragged
+    # groups, float32 and bf16 out, one compile for every shape (dynamic)
+    torch.manual_seed(0)
+    for shape in ((48, 256), (40, 200), (16, 24)):
+        q, scale = quantize_int4(torch.randn(*shape))
+        packed = pack_int4(q)
+        for dtype in (torch.float32, torch.bfloat16):
+            compiled = compiled_dequantize_packed()(packed, scale, shape[1], dtype)
+            assert compiled.dtype == dtype and torch.equal(compiled, dequantize_packed(packed, scale, shape[1], dtype))
