@@ -86,7 +86,8 @@ elif [ "$call" = pending ]; then
   # mid-call), ~450 s; then `tensor` (gpu-arith pushing over CUDA IPC, ~300 s) on the same warm
   # machine: BucketCopy's runs planned from addresses (cuda_ipc_sync's colocated rows, both
   # sizes), the whole-push sweep, int4_qat in bf16 and int4 on the engine's fast path (GPU
-  # tests), int4 rollout's tokens/s beside bf16 (rollout_precision), int4_qat's training
+  # tests), int4 rollout's tokens/s beside bf16 (rollout_precision; fp8's now dequantised by one
+  # compiled kernel, its tok/s was 0.45x bf16 eager), int4_qat's training
   # tokens/s beside bf16, and a Megatron checkpoint against a raw write (never yet on a GPU)
   step cuda_ipc_sync_3gb 80 python3 bench/cuda_ipc_sync.py --params-gb 3.4 --bucket-mb 1024 --pushes 6 \
       --out "$OUT/cuda_ipc_sync_3gb.txt"

@@ -72,6 +72,24 @@ def test_fp8_layers_replay_in_graphs_as_eagerly() -> None:
     assert eager == replayed
 
 
+def test_compiled_dequantisations_equal_the_eager_ones_on_cuda() -> None:
+    """Fp8Linear and Int4Linear dequantise through one compiled kernel on CUDA: the same bits
+    as the eager functions (CPU: tests/unit/test_quant_fp8.py, test_quant_int4.py)."""
+    from milepost.core.quant import fp8
+    from milepost.core.quant.int4 import compiled_dequantize_packed, dequantize_packed, pack_int4, quantize_int4
+    torch.manual_seed(0)
+    for shape in ((2816, 1024), (200, 130)):
+        w = torch.randn(*shape, device="cuda")
+        q8, s8 = fp8.quantize_fp8_blockwise(w)
+        q4, s4 = quantize_int4(w)
+        p4 = pack_int4(q4)
+        for dtype in (torch.bfloat16, torch.float32):
+            assert torch.equal(fp8.compiled_dequantize_fp8_blockwise()(q8, s8, dtype),
+                               fp8.dequantize_fp8_blockwise(q8, s8, dtype))
+            assert torch.equal(compiled_dequantize_packed()(p4, s4, shape[1], dtype),
+                               dequantize_packed(p4, s4, shape[1], dtype))
+
+
 def test_int4_layers_replay_in_graphs_as_eagerly_and_requantise_under_kept_graphs() -> None:
     """precision.rollout int4 on the fast path (unfused int4 projections, dequantised inside the
     captured graphs): replay gives the numbers of the same code run eagerly; after the receiver
