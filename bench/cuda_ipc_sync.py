@@ -250,6 +250,26 @@ def device_copy_s(nbytes: int, repeats: int = 5, device: str = "cuda", to_device
     return (time.perf_counter() - start) / repeats
 
 
+def fresh_copy_s(nbytes: int, repeats: int = 5) -> float:
+    """Seconds of one device copy of `nbytes` into memory allocated just before it, after
+    `torch.cuda.empty_cache()` gave the previous destination back to the driver: what a
+    colocated push writes into (a memory resume allocates the weights anew). Set beside
+    `device_copy_s` (a destination written before), it says how much of a colocated push's
+    load over the served one is the GPU's first touch of new memory, not the engine's Python."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    total = 0.0
+    for _ in range(repeats):
+        torch.cuda.empty_cache()
+        dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        total += time.perf_counter() - start
+        del dst
+    return total / repeats
+
+
 ROWS = {  # row → (trainer, engine, how it is described)
     "sglang-reopen": "SGLang's format, engine opens each handle (as SGLang)",
     "sglang-keep": "SGLang's format, engine keeps the mapping",
@@ -297,11 +317,14 @@ def main() -> None:
     nbytes = sum(wire.spec_nbytes(s) for s in specs)
     rows = {row: push(specs, args, row) for row in ROWS}
     copy_s = device_copy_s(nbytes)
+    fresh_s = fresh_copy_s(nbytes)
     lines = [f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {torch.cuda.get_device_name()}, "
              f"torch {torch.__version__}: python bench/cuda_ipc_sync.py --params-gb {args.params_gb} "
              f"--bucket-mb {args.bucket_mb} --pushes {args.pushes}",
              f"weights: {len(specs)} bf16 tensors, {nbytes / 1e9:.3f} GB, {rows['sglang-reopen']['buckets']} buckets",
-             f"device copy of the same bytes, one process: {copy_s:.4f} s = {nbytes / copy_s / 1e9:.1f} GB/s"]
+             f"device copy of the same bytes, one process: {copy_s:.4f} s = {nbytes / copy_s / 1e9:.1f} GB/s",
+             f"the same copy into memory allocated just before (after empty_cache, as a memory resume leaves "
+             f"the weights): {fresh_s:.4f} s = {nbytes / fresh_s / 1e9:.1f} GB/s, {fresh_s / copy_s:.2f}x the copy"]
     for row, measured in rows.items():
         push_s = min(measured["times"][1:] or measured["times"])  # the first push maps the handles
         lines.append(f"push by CUDA IPC, {ROWS[row]}: best of "
