@@ -275,9 +275,14 @@ def _fuse(params: list[torch.Tensor]) -> torch.Tensor:
            for p, at in zip(params, _row_offsets(params))) and \
             first.untyped_storage().nbytes() >= first.storage_offset() * size + rows * row_bytes:
         return first.as_strided((rows, *first.shape[1:]), first.stride())
-    buf = torch.cat([p.data for p in params])
-    for p, piece in zip(params, buf.split([p.shape[0] for p in params])):
-        p.data = piece
+    # Made outside inference mode although the first prefill (in it) fuses: the weights become
+    # views of this buffer, and a weight push on a GPU copies into views of them (span copies,
+    # packing.py) outside it, which torch refuses for an inference tensor (the loop's first
+    # CUDA-IPC push of a Qwen2 model, whose q/k/v biases keep its q/k/v weights apart, failed so)
+    with torch.inference_mode(False):
+        buf = torch.cat([p.data for p in params])
+        for p, piece in zip(params, buf.split([p.shape[0] for p in params])):
+            p.data = piece
     return buf
 
 

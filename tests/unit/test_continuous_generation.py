@@ -195,3 +195,21 @@ def test_unsupported_models_and_buckets() -> None:
     assert "sliding" in unsupported_reason(Qwen2ForCausalLM(cfg))
     assert batch_buckets(256) == [1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256]
     assert batch_buckets(3) == [1, 2, 3]
+
+
+def test_weights_fused_by_the_first_prefill_take_span_copies_outside_inference_mode() -> None:
+    """The fast path fuses q/k/v and gate/up on its first prefill, in inference mode; Qwen2's
+    q/k/v biases keep its q/k/v weights apart, so fusing moves them into a new buffer. A weight
+    push on a GPU then copies into views of the live weights (packing.py's span copies) outside
+    inference mode: the buffer must not be an inference tensor, or torch refuses the copy."""
+    model = _model()
+    gen = ContinuousGenerator(model, [EOS], num_slots=4, max_len=32, use_graphs=False)
+    attn = model.model.layers[0].self_attn
+    before = attn.q_proj.weight.data_ptr()
+    _run(gen, [_seq(p, max_new_tokens=2) for p in _prompts()])
+    assert attn.q_proj.weight.data_ptr() != before  # moved into the fused buffer
+    for name, param in model.named_parameters():
+        assert not param.data.is_inference(), name
+        span = torch.as_strided(param.data, (param.numel(),), (1,))  # as a span copy views it
+        span.copy_(torch.zeros_like(span))
+    assert int(torch.count_nonzero(attn.k_proj.weight)) == 0
