@@ -337,12 +337,13 @@ def main() -> None:
         return copy_s / min(rows[row]["times"][1:] or rows[row]["times"])
     # the figure: a colocated push (colocated placement releases and resumes the engine's weights
     # around every trainer step) in the layout the loop's recipes push from: the megatron
-    # backend's weights lie in one buffer in reverse order and are read in place. The torch
-    # backend packs its weights (the packed row); a sender that quantises on sync (fp8, int4
-    # rollout) copies into bucket buffers (the copied row)
+    # backend's weights lie in one buffer in an order not HF's (here: reverse), read in place. The torch
+    # backend packs its weights (the packed row); megatron at TP > 1 (gathered shards) and a sender
+    # that quantises on sync (fp8, int4 rollout) copy into bucket buffers (the copied row)
     lines.append(f"tensor_sync_vs_copy: {ratio('milepost-reversed-colocated'):.3f} (colocated, Megatron's layout: "
                  f"one buffer in reverse order, read in place; packed weights (the torch backend): "
-                 f"{ratio('milepost-packed-colocated'):.3f}; copied into bucket buffers (a sender that quantises): "
+                 f"{ratio('milepost-packed-colocated'):.3f}; copied into bucket buffers (megatron at TP > 1, a "
+                 f"quantising sender): "
                  f"{ratio('milepost-copied-colocated'):.3f}; into weights the engine serves (not released): "
                  f"copied {ratio('milepost-copied'):.3f}, packed {ratio('milepost-packed'):.3f}, reversed "
                  f"{ratio('milepost-reversed'):.3f}; SGLang's format: {ratio('sglang-reopen'):.3f})")

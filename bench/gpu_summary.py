@@ -32,7 +32,7 @@ OTHER_ROWS = {  # row → how the detail names it
     "milepost's CUDA format, colocated, trainer weights packed (read in place)":
         "colocated, packed trainer weights (the torch backend)",
     "milepost's CUDA format, colocated (engine weights released and resumed before each push), trainer copies "
-    "into bucket buffers": "colocated, weights copied into bucket buffers (a sender that quantises on sync)",
+    "into bucket buffers": "colocated, copied into bucket buffers (megatron at TP > 1, a sender that quantises)",
     "milepost's CUDA format, trainer copies into bucket buffers": "served (not released): copied",
     "milepost's CUDA format, trainer weights packed (read in place)": "packed",
     "milepost's CUDA format, trainer weights in one buffer in reverse order (Megatron's layout: read in place, "
@@ -44,15 +44,15 @@ OTHER_ROWS = {  # row → how the detail names it
 def _tensor_sync_run(name: str) -> dict:
     """The newest run in one of bench/cuda_ipc_sync.py's result files (newest section first).
     The figure is the row the loop's recipes push by: colocated, the megatron backend's
-    layout (its weights in one buffer in reverse order, read in place); the other rows go in
+    layout (its weights in one buffer, not in HF order, read in place); the other rows go in
     the detail. Read from the row lines, so runs printed before the figure line named this row
     read the same way."""
     text = (RESULTS / name).read_text()
     first_run = text.split("\n# 20", 1)[0]
     rows = dict(re.findall(r"push by CUDA IPC, (.+?): best of .* vs device copy ([0-9.]+)", first_run))
     date, device, command = re.match(r"# (.+ UTC), (.+?), torch [^:]+: (.+)", text.splitlines()[0]).groups()
-    detail = "colocated, Megatron's layout (the megatron backend's push: its weights in one buffer in reverse " \
-             "order, read in place); " + "; ".join(f"{label}: {rows[row]}" for row, label in OTHER_ROWS.items())
+    detail = "colocated, Megatron's layout (the megatron backend's push at TP=1: its weights in one buffer, not in " \
+             "HF order, read in place); " + "; ".join(f"{label}: {rows[row]}" for row, label in OTHER_ROWS.items())
     return {"value": float(rows[MEGATRON_ROW]), "date": date, "device": device, "command": command, "detail": detail}
 
 
