@@ -186,8 +186,14 @@ class RLLoop:
                 **rollout_metrics, **filter_metrics, **train_metrics, **sync_metrics, **timings}
 
     def sync_weights(self, step: int) -> dict[str, float]:
+        """Export the HF weights (a restarted engine loads them: fleet.served), then push.
+        `timing/weight_export_s` is the export's part of `timing/weight_sync_s`: whatever the
+        transport it writes every weight to disk, so it is most of a memory push's time (on the
+        H100, gpu-arith's 76 M model pushed by CUDA IPC or by disk took the same 0.11-0.28 s)."""
         export = self.exports_dir / f"{step:08d}"
+        started = time.perf_counter()
         self.backend.export_hf(str(export))
+        export_s = time.perf_counter() - started
         version = str(self.state.policy_version + 1)
         with self.ahead.hold_for_push(next_index=step, timeout_s=self.recipe.rollout.request_timeout_s) as waited_s:
             metrics = self.transport.push(self.engines, str(export), version, backend=self.backend)
@@ -196,7 +202,7 @@ class RLLoop:
             self.ahead.advance(self.state.policy_version)
         self._prune_exports(keep=export)
         kept = {k: v for k, v in metrics.items() if not k.endswith("seconds")}
-        return {**kept, "timing/push_wait_rollout_s": waited_s}
+        return {**kept, "timing/push_wait_rollout_s": waited_s, "timing/weight_export_s": export_s}
 
     def _prune_exports(self, keep: Path) -> None:
         import shutil

@@ -74,6 +74,8 @@ def _check_campaign(tmp_path: Path, campaign: Path, log: Path) -> None:
     assert [r["step"] for r in rows] == list(range(1, NUM_STEPS + 1))
     # colocated (tiny-arith's placement): each step records the engines' memory handover
     assert all(r["timing/engines_release_s"] >= 0.0 and r["timing/engines_resume_s"] >= 0.0 for r in rows), rows[0]
+    # the weights' export to disk is a part of each step's weight sync, recorded apart
+    assert all(0.0 < r["timing/weight_export_s"] <= r["timing/weight_sync_s"] for r in rows), rows[0]
     final = {(r["step"], tag): r[tag] for r in rows for tag in TRAIN_TAGS}
     store = CampaignStore(str(campaign))
     evals = [(0, store.read_json("base_eval.json")["accuracy"])] + [
