@@ -106,10 +106,11 @@ def compiled_dequantize_fp8_blockwise() -> Callable[[Tensor, Tensor, torch.dtype
     """`dequantize_fp8_blockwise` as one compiled kernel. Why: an fp8 engine on a GPU
     dequantises every weight at every forward, and eagerly that is three passes or more (the
     float32 copy, the padding of a ragged edge, the product, the cast) moving ~19 bytes a
-    weight where one kernel reads 1 byte and writes the dtype's 2; bf16 rollout ran 2.2x fp8's tok/s on the
-    lent H100 that way (bench/results/rollout_precision_gpu.txt, 12-05). One float32 product
-    and one cast per element, so its bits are the eager function's (tests/unit/test_quant_fp8.py
-    on CPU, tests/gpu/test_engine_gpu.py on CUDA)."""
+    weight where one kernel reads 1 byte and writes the dtype's 2. On the lent H100 fp8
+    rollout ran at 0.45x bf16's tok/s eagerly and 0.91x compiled
+    (bench/results/rollout_precision_gpu.txt). One float32 product and one cast per element,
+    so its bits are the eager function's (tests/unit/test_quant_fp8.py on CPU,
+    tests/gpu/test_engine_gpu.py on CUDA)."""
     return torch.compile(dequantize_fp8_blockwise, dynamic=True)
 
 
