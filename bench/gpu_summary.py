@@ -10,7 +10,12 @@ from __future__ import annotations
 import datetime
 import json
 import re
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cuda_ipc_sync import ROWS
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -26,18 +31,15 @@ def _engine() -> dict:
     }
 
 
-# bench/cuda_ipc_sync.py's rows, by the words its lines describe them with
-MEGATRON_ROW = "milepost's CUDA format, colocated, trainer weights in one buffer in reverse order"
-OTHER_ROWS = {  # row → how the detail names it
-    "milepost's CUDA format, colocated, trainer weights packed (read in place)":
-        "colocated, packed trainer weights (the torch backend)",
-    "milepost's CUDA format, colocated (engine weights released and resumed before each push), trainer copies "
-    "into bucket buffers": "colocated, copied into bucket buffers (megatron at TP > 1, a sender that quantises)",
-    "milepost's CUDA format, trainer copies into bucket buffers": "served (not released): copied",
-    "milepost's CUDA format, trainer weights packed (read in place)": "packed",
-    "milepost's CUDA format, trainer weights in one buffer in reverse order (Megatron's layout: read in place, "
-    "tensor by tensor)": "Megatron's layout",
-    "SGLang's format, engine opens each handle (as SGLang)": "SGLang's format",
+# bench/cuda_ipc_sync.py's rows (ROWS: id → the words its lines describe the row with)
+MEGATRON_ROW = "milepost-reversed-colocated"
+OTHER_ROWS = {  # row id → how the detail names it
+    "milepost-packed-colocated": "colocated, packed trainer weights (the torch backend)",
+    "milepost-copied-colocated": "colocated, copied into bucket buffers (megatron at TP > 1, a sender that quantises)",
+    "milepost-copied": "served (not released): copied",
+    "milepost-packed": "packed",
+    "milepost-reversed": "Megatron's layout",
+    "sglang-reopen": "SGLang's format",
 }
 
 
@@ -50,6 +52,7 @@ def _tensor_sync_run(name: str) -> dict:
     text = (RESULTS / name).read_text()
     first_run = text.split("\n# 20", 1)[0]
     rows = dict(re.findall(r"push by CUDA IPC, (.+?): best of .* vs device copy ([0-9.]+)", first_run))
+    rows = {row: rows[described] for row, described in ROWS.items() if described in rows}
     date, device, command = re.match(r"# (.+ UTC), (.+?), torch [^:]+: (.+)", text.splitlines()[0]).groups()
     detail = "colocated, Megatron's layout (the megatron backend's push at TP=1: its weights in one buffer, not in " \
              "HF order, read in place); " + "; ".join(f"{label}: {rows[row]}" for row, label in OTHER_ROWS.items())
