@@ -36,6 +36,7 @@ from milepost.core.rollout_ahead import Chunk, RolloutAhead
 from milepost.core.step_context import StepContext
 from milepost.core.train.backend import TrainBackend
 from milepost.core.types import Prompt, Sample
+from milepost.core.weight_export import WeightExports
 from milepost.core.weight_sync import WeightTransport
 
 
@@ -91,7 +92,7 @@ class RLLoop:
     def __init__(self, recipe: Recipe, *, backend: TrainBackend, router: GenerationClient,
                  engines: list[EngineClient], source: PromptSource, rollout_fn: RolloutFn,
                  rewards: RewardEvaluator, transport: WeightTransport,
-                 checkpoints: CheckpointManager, exports_dir: Path, stop_token_ids: list[int],
+                 checkpoints: CheckpointManager, exports: WeightExports, stop_token_ids: list[int],
                  decode: Callable[[list[int]], str], state: LoopState,
                  on_metrics: Callable[[dict[str, Any]], None],
                  engines_asleep: Callable[[], AbstractContextManager[None]] | None = None,
@@ -104,11 +105,13 @@ class RLLoop:
         committed (the metrics sinks take committed steps only). `filters` and `hooks`: the
         recipe's, resolved (core/extensions.py); None resolves them from the recipe.
         `routed_experts` (MoE models): rollouts ask for the engines' routes, so `router` must
-        reach the engines directly (core/fleet/direct.py)."""
+        reach the engines directly (core/fleet/direct.py). `exports`: where each pushed policy
+        is exported for engines that load it from disk (core/weight_export.py); it is written
+        behind the push when the transport does not read it (`transport.reads_export`)."""
         self.recipe, self.backend, self.router, self.engines = recipe, backend, router, engines
         self.engines_asleep = engines_asleep or nullcontext
         self.source, self.rollout_fn, self.rewards = source, rollout_fn, rewards
-        self.transport, self.checkpoints, self.exports_dir = transport, checkpoints, exports_dir
+        self.transport, self.checkpoints, self.exports = transport, checkpoints, exports
         self.stop_token_ids, self.decode, self.state = stop_token_ids, decode, state
         self.on_metrics, self.on_commit = on_metrics, on_commit
         self.filters = filters or FilterChain.from_config(recipe.filters)
@@ -139,6 +142,7 @@ class RLLoop:
                 self.hooks.step_end(row, context)
                 if step % self.recipe.checkpoint.every_steps == 0 or step == last_step:
                     self.save_checkpoint()
+            self.exports.wait(self.recipe.sync.timeout_s)  # its error, if any, fails the stage
         finally:
             self.ahead.stop(timeout_s=self.recipe.rollout.request_timeout_s)
 
@@ -176,6 +180,10 @@ class RLLoop:
             kept, filter_metrics = self.filters(samples, context)
         with span(timings, "advantages"):
             filter_metrics.update(assign_advantages(kept, r.algo.advantage))
+        with span(timings, "export_wait"):  # the trainer's weights stay put until it is written
+            self.exports.wait(self.recipe.sync.timeout_s)
+        behind_s = self.exports.report_behind()
+        exported = {} if behind_s is None else {"timing/weight_export_behind_s": behind_s}
         with span(timings, "train"), self.engines_asleep():
             train_metrics = self.backend.train_step(kept, step) if kept else {"train/skipped": 1.0}
         with span(timings, "weight_sync"):
@@ -183,35 +191,40 @@ class RLLoop:
         timings["timing/step_s"] = sum(v for k, v in timings.items() if k != "timing/rollout_s")
         return {"step": step, "policy_version": self.state.policy_version,
                 "data/prompt_indices": [p.index for p in chunk.prompts],
-                **rollout_metrics, **filter_metrics, **train_metrics, **sync_metrics, **timings}
+                **rollout_metrics, **filter_metrics, **train_metrics, **sync_metrics, **exported, **timings}
 
     def sync_weights(self, step: int) -> dict[str, float]:
-        """Export the HF weights (a restarted engine loads them: fleet.served), then push.
-        `timing/weight_export_s` is the export's part of `timing/weight_sync_s`: whatever the
-        transport it writes every weight to disk, likely most of a memory push's time (on the
-        H100, gpu-arith's 76 M model pushed by CUDA IPC or by disk took the same 0.11-0.28 s a
-        step; on a CPU, tiny-arith over `tensor`, 9 of 22 ms)."""
-        export = self.exports_dir / f"{step:08d}"
-        started = time.perf_counter()
-        self.backend.export_hf(str(export))
-        export_s = time.perf_counter() - started
-        version = str(self.state.policy_version + 1)
+        """Push the trainer's weights as the next policy version, and export them as HF
+        weights (a restarted engine loads them: fleet.served). A transport that reads the
+        export (`disk`, `lora`) gets it before the push, and `timing/weight_export_s` is part
+        of `timing/weight_sync_s`. One that pushes from the trainer's memory gets it after:
+        it is written while the next rollout runs (core/weight_export.py); the next step's
+        row reports it as `timing/weight_export_behind_s`, and what of it that step's train
+        still waited for as `timing/export_wait_s`."""
+        if self.transport.reads_export:
+            export, export_s = self.exports.write(step)
+            metrics, waited_s = self._push(step, export)
+            self.exports.prune(keep=export)
+            exported = {"timing/weight_export_s": export_s}
+        else:
+            with self.exports.behind(step) as export:  # pending from before the fleet records it
+                metrics, waited_s = self._push(step, export)
+            exported = {}
+        kept = {k: v for k, v in metrics.items() if not k.endswith("seconds")}
+        return {**kept, "timing/push_wait_rollout_s": waited_s, **exported}
+
+    def _push(self, step: int, export: Path) -> tuple[dict[str, float], float]:
+        """Make the engines serve the trainer's weights as the next policy version."""
         with self.ahead.hold_for_push(next_index=step, timeout_s=self.recipe.rollout.request_timeout_s) as waited_s:
-            metrics = self.transport.push(self.engines, str(export), version, backend=self.backend)
+            metrics = self.transport.push(self.engines, str(export), str(self.state.policy_version + 1),
+                                          backend=self.backend)
             self.state.policy_version += 1
             self.state.step = step
             self.ahead.advance(self.state.policy_version)
-        self._prune_exports(keep=export)
-        kept = {k: v for k, v in metrics.items() if not k.endswith("seconds")}
-        return {**kept, "timing/push_wait_rollout_s": waited_s, "timing/weight_export_s": export_s}
-
-    def _prune_exports(self, keep: Path) -> None:
-        import shutil
-        for old in self.exports_dir.glob("*"):
-            if old != keep and old.name.isdigit():
-                shutil.rmtree(old, ignore_errors=True)
+        return metrics, waited_s
 
     def save_checkpoint(self) -> None:
+        self.exports.wait(self.recipe.sync.timeout_s)  # one export at a time on the trainer
         self.state.model_sha256 = self.backend.weights_sha256()
         snapshot = self.ahead.snapshot(self.source)
         self.state.cursor, self.state.rollout_chunks = snapshot["cursor"], snapshot["chunks"]

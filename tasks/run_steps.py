@@ -26,6 +26,7 @@ from milepost.core.records import Stage
 from milepost.core.reward import RewardEvaluator
 from milepost.core.train.backend import TrainBackend
 from milepost.core.train.factory import create_backend
+from milepost.core.weight_export import WeightExports
 from milepost.core.weight_sync import build_transport
 from milepost.core.weight_sync.lora_push import LoraTransport
 from milepost.tasks.block_summary import step_line
@@ -88,6 +89,8 @@ def _train(ctx: StageContext, fleet: Any, tokenizer: Any, start_path: str, timer
                              rank_gpus=_rank_gpus(recipe), rollout_precision=recipe.precision.rollout)
     timer.mark("trainer ranks")
     sinks = open_sinks(recipe, store)
+    exports = WeightExports(Path(store.local_path("exports", "steps")), backend.export_hf)
+    fleet.track_exports(exports)  # a restarted engine waits for a served folder still being written
     try:
         state = _restore(ctx, backend)
         timer.mark(f"checkpoint of step {state.step} restored" if state.step else "no checkpoint")
@@ -127,7 +130,7 @@ def _train(ctx: StageContext, fleet: Any, tokenizer: Any, start_path: str, timer
                       rewards=RewardEvaluator(extensions.reward, recipe.reward.num_workers),
                       transport=transport,
                       checkpoints=ctx.checkpoints,
-                      exports_dir=Path(store.local_path("exports", "steps")),
+                      exports=exports,
                       stop_token_ids=[tokenizer.eos_token_id],
                       decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                       state=state, on_metrics=on_metrics,
@@ -145,6 +148,7 @@ def _train(ctx: StageContext, fleet: Any, tokenizer: Any, start_path: str, timer
                 "engine_restarts": fleet.restart_events()}
     finally:
         sinks.close()
+        exports.close()  # the trainer must outlive the export in flight
         backend.shutdown()
 
 

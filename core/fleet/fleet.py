@@ -46,6 +46,7 @@ from milepost.core.placement import Placement, actor_strategy, ensure_group, fin
 from milepost.core.quant.fp8_folder import fp8_folder, sglang_fp8_problem
 from milepost.core.quant.modes import disk_form
 from milepost.core.train.lora import is_adapter_folder
+from milepost.core.weight_export import WeightExports
 from milepost.core.weight_sync.base import WeightSource
 from milepost.core.weight_sync.lora_push import ADAPTER_NAME, AdapterRequests, load_served
 
@@ -74,7 +75,8 @@ class Fleet:
     - A restarted engine loads `fleet.served`, the weights of the last successful push.
       `FleetTransport` records it; code pushing weights another way does so inside
       `with fleet.weight_push() as clients:` and calls `fleet.record_served(path, version)`
-      there on success.
+      there on success. The loop may still be writing that folder (`track_exports`): a
+      restarted engine waits for it (`loadable_served`).
     - `fleet.restart_events()` lists the restarts (engine, pids, reason, timings) for the
       stage record.
 
@@ -97,6 +99,8 @@ class Fleet:
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="milepost-fleet-")
         self.lock = threading.RLock()
         self.served: tuple[str, str] = (model_path, weight_version)
+        self.exports: WeightExports | None = None  # the loop's (track_exports): `served` may be pending there
+        self._recorded_served = self.served  # what describe() records: a folder that is whole on disk
         self.pushing = threading.Event()
         self.sleeping = threading.Event()  # colocated: engines gave their memory back (FleetTransport.asleep)
         self.actors: list[Any] = []
@@ -164,7 +168,7 @@ class Fleet:
         path, version = doc["served"]
         base = doc["base_model_path"] if doc.get("lora") else path  # an adapter is no model to launch from
         fleet = cls(base, str(version), cfg, doc.get("host"), doc["log_dir"], True, on_change, admin_key_path)
-        fleet.served = (path, str(version))
+        fleet.served = fleet._recorded_served = (path, str(version))
         fleet.lora = LoraConfig(**doc["lora"]) if doc.get("lora") else None
         fleet.precision = doc.get("precision", "fp32")
         fleet.int4_dtype = doc.get("int4_dtype", "float32")
@@ -300,7 +304,7 @@ class Fleet:
             router = {"name": self.router_name,
                       "url": self.router_url, "pid": self.router_pid,
                       "log_path": self.router.log_path if self.router else None}
-            return {"engines": engines, "router": router, "served": list(self.served),
+            return {"engines": engines, "router": router, "served": list(self._recorded_served),
                     "log_dir": self.log_dir, "host": self.host, "engine_bundles": self.engine_bundles,
                     "engine_gpu_requests": self.engine_gpu_requests,
                     "colocated": self.colocated, "base_model_path": self.base_model_path,
@@ -336,10 +340,35 @@ class Fleet:
                 self.pushing.clear()
 
     def record_served(self, path: str, version: str) -> None:
-        """The fleet now serves `path` as `version`: what a restarted engine must load."""
+        """The fleet now serves `path` as `version`: what a restarted engine must load. If
+        the loop is still writing `path` (`track_exports`), the store's record of the fleet
+        keeps the previous folder until it is whole: a stage killed meanwhile must not leave
+        a record pointing at a folder never finished."""
         with self.lock:
             self.served = (path, str(version))
+            if self.exports is None or self.exports.durable(path):
+                self._recorded_served = self.served
             self._changed()
+
+    def track_exports(self, exports: WeightExports) -> None:
+        """The loop's exports (core/weight_export.py): folders it records as served may still
+        be written; loading one waits for it (`loadable_served`)."""
+        self.exports = exports
+        exports.on_written(self._export_written)
+
+    def _export_written(self, path: str) -> None:
+        with self.lock:
+            if self.served[0] == path:
+                self._recorded_served = self.served
+                self._changed()
+
+    def loadable_served(self, timeout_s: float) -> tuple[str, str]:
+        """`served`, once its folder is whole on disk (call it holding `lock`: the loop's
+        export does not take it). Raises ExportError if that export failed or took longer."""
+        path, version = self.served
+        if self.exports is not None:
+            self.exports.wait_for(path, timeout_s)
+        return path, version
 
     def raise_if_failed(self) -> None:
         self.supervisor.raise_if_failed()
@@ -423,13 +452,15 @@ class FleetTransport:
     If a push fails because an engine died during it, the dead engine is marked and the push
     is retried once on the engines left; any other failure is raised as the inner one.
 
-    A restarted engine reloads `export_dir` from disk, whatever the transport: the loop must
-    keep exporting HF weights there before each push (it does now), or admission fails with
-    "could not load the served weights".
+    A restarted engine reloads `export_dir` from disk, whatever the transport: the loop
+    exports HF weights there for each push (before it, or behind it for a transport that
+    does not read them: core/weight_export.py), or admission fails with "could not load the
+    served weights".
     """
 
     def __init__(self, fleet: Fleet, inner: WeightTransport) -> None:
         self.fleet, self.inner, self.name = fleet, inner, inner.name
+        self.reads_export = inner.reads_export
         # LoRA keeps the base weights on the engines (its pushes send only the adapter)
         self.release_tags = list(getattr(inner, "release_tags", ("weights", "kv_cache")))
         self.handover_s: dict[str, float] = {}  # the last sleep's release / resume times, reported by the push
@@ -489,7 +520,7 @@ class FleetTransport:
             for c in live:
                 c.resume_memory_occupation(self.release_tags, timeout_s=timeout_s)
                 if reload:
-                    path, version = self.fleet.served
+                    path, version = self.fleet.loadable_served(timeout_s)
                     load_served(c, path, version, timeout_s)
         if reload:
             self.fleet.sleeping.clear()

@@ -260,7 +260,7 @@ class FleetSupervisor:
             return f"admission probe failed: {type(e).__name__}: {e}"
         try:
             with self.fleet.lock:
-                path, version = self.fleet.served
+                path, version = self.fleet.loadable_served(self.cfg.engine_startup_timeout_s)
                 if (path, version) != (slot.model_path, slot.weight_version):
                     reply = load_served(slot.client, path, version)  # full weights, or a LoRA adapter
                     if not reply.get("success", False):

@@ -35,6 +35,9 @@ class WeightSyncError(RuntimeError):
 
 class WeightTransport(Protocol):
     name: str
+    # True: push reads `export_dir` (the loop writes it first); False: it sends from the
+    # trainer's memory, and the loop writes the export behind it (core/weight_export.py)
+    reads_export: bool
 
     def push(self, clients: list[EngineClient], export_dir: str, version: str,
              backend: WeightSource | None = None) -> dict[str, float]:

@@ -31,6 +31,7 @@ class DiskTransport:
     while another succeeds, they serve different versions until the retry."""
 
     name = "disk"
+    reads_export = True
 
     def __init__(self, num_attempts: int = 2, timeout_s: float = 120.0, pause_mode: str = "abort",
                  cleanup_timeout_s: float = 5.0) -> None:

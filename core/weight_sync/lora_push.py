@@ -98,6 +98,7 @@ class LoraTransport:
     """Pushes the trainer's adapter folder (`export_dir`) to every engine (module docstring)."""
 
     name = "lora"
+    reads_export = True
     release_tags = ("kv_cache",)  # colocated sleep keeps the base weights: no push would refill them
 
     def __init__(self, num_attempts: int = 2, timeout_s: float = 120.0, pause_mode: str = "abort",

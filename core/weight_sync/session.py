@@ -44,8 +44,9 @@ class SessionTransport:
     Restore rule (SGLang loads each bucket as it arrives, so an attempt that fails after
     begin leaves it on a mix of old and new weights): before its `continue`, every such
     engine reloads the last good weights — the export of the last push that committed
-    (`last_good`: its export_dir and version; the loop exports every pushed policy and
-    keeps that folder until the next push commits) — with /update_weights_from_disk,
+    (`last_good`: its export_dir and version; the loop exports every pushed policy, behind
+    the push, finishes that export before its next train step, and keeps that folder until
+    the next one is written) — with /update_weights_from_disk,
     within `timeout_s`. Which engines: `restore` "auto" (those whose /server_info does not
     announce `end_weight_update_abort`; the built-in engine discards an aborted session and
     keeps serving its old weights whole), "always" or "never". The failure's message says
@@ -54,6 +55,7 @@ class SessionTransport:
     """
 
     name = "session"
+    reads_export = False  # export_dir is only where the loop will write this version (restore)
 
     def __init__(self, timeout_s: float = 120.0, bucket_mb: float = 512.0, num_attempts: int = 2,
                  pause_mode: str = "abort", cleanup_timeout_s: float = 5.0, restore: str = "auto") -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import threading
 import time
@@ -22,6 +23,7 @@ from milepost.core.config import RolloutConfig
 from milepost.core.fleet.fleet import Fleet, FleetError, FleetTransport
 from milepost.core.rollout import RolloutRequest, default_rollout
 from milepost.core.types import Prompt, Sample
+from milepost.core.weight_export import WeightExports
 from milepost.core.weight_sync import build_transport
 
 log = logging.getLogger(__name__)
@@ -226,6 +228,43 @@ def test_admin_key_reaches_restarted_engines_and_no_record_or_log(ray_session, m
     assert len(logs) >= 3  # two engine incarnations and the router
     for text in docs + logs + [caplog.text]:
         assert key not in text and str(key_path) not in text
+
+
+def test_a_restarted_engine_waits_for_the_served_folder_being_written(ray_session, models, tmp_path) -> None:
+    """A `tensor` push's HF export is written behind it, while the next rollout runs
+    (core/weight_export.py). An engine restarted meanwhile is admitted only once that folder
+    is whole, and loads it; the fleet's record (blocks/*/fleet.json) names the folder only
+    then, so a stage killed mid-export never leaves it pointing at a half-written one."""
+    release = threading.Event()
+
+    def export(path: str) -> None:  # the trainer's export, held until the engine is waiting for it
+        assert release.wait(120)
+        shutil.copytree(models[1], path)
+
+    records: list[list[str]] = []
+    f = Fleet.start(models[0], 1, _config(max_restarts=1, num_engines=1), weight_version="0",
+                    on_change=lambda doc: records.append(doc["served"]))
+    exports = WeightExports(tmp_path / "exports", export)
+    f.track_exports(exports)
+    try:
+        with exports.behind(1) as folder, f.weight_push():
+            f.record_served(str(folder), "1")  # what a committed push records (FleetTransport.push)
+        assert f.served == (str(folder), "1") and records[-1] == [models[0], "0"]
+        old_pid = f.pids()[0]
+        os.kill(old_pid, signal.SIGKILL)
+        _wait_for(lambda: f.supervisor.slots[0].pid != old_pid and "healthy" in f.supervisor.slots[0].timings,
+                  "the restarted engine's first healthy answer")
+        time.sleep(2.0)  # it would be admitted by now if it did not wait for the folder
+        assert f.supervisor.slots[0].state == "starting" and not folder.exists()
+        release.set()
+        f.supervisor.wait_all_serving(120)
+        assert f.clients[0].model_info()["weight_version"] == "1"
+        assert f.restart_events()[-1]["weight_version"] == "1"
+        assert records[-1] == [str(folder), "1"] and f.describe()["served"] == [str(folder), "1"]
+    finally:
+        release.set()
+        exports.close()
+        f.stop()
 
 
 def _gone(pid: int, timeout_s: float = 30.0) -> bool:
