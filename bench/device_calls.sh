@@ -11,7 +11,7 @@
 #                                          bench/cuda_ipc_sync.py and megatron_stage.py only (~170 s with the install);
 #                                          SYNC_3GB_ONLY=1: cuda_ipc_sync at the 3.4 GB size only (~130 s)
 #   source bench/device_calls.sh tests     the GPU tests, warm-start speed
-#   source bench/device_calls.sh tensor    gpu-arith's first block pushing over CUDA IPC (~300 s)
+#   source bench/device_calls.sh tensor    gpu-arith's first block alone, no kill (~250 s; the recipe pushes over CUDA IPC)
 #   source bench/device_calls.sh pending   what was built and not yet run on a GPU (~200 s)
 # Everything a call writes comes back in $OUT/results.tgz (and $OUT/steps.txt).
 call=${1:?arith, figures, sync, tensor, pending or tests}
@@ -75,16 +75,16 @@ elif [ "$call" = sync ]; then
     cp bench/results/rollout_precision_gpu.* "$OUT/" 2>/dev/null
   fi
 elif [ "$call" = tensor ]; then
-  # ~300 s: gpu-arith's first block (one epoch of 1,280 prompts) with the loop's own weight push over
-  # CUDA IPC (colocated, Megatron's layout), no kill. Its $OUT/gpu_arith.json is a one-block run with no
-  # kill: keep it as its own result file, never as bench/results/gpu_arith.json (gpu_summary.py's source)
+  # ~250 s: gpu-arith's first block (one epoch of 1,280 prompts) with the loop's own weight push over
+  # CUDA IPC (colocated, Megatron's layout; the recipe's transport), no kill. Its $OUT/gpu_arith.json is
+  # a one-block run with no kill: keep it as its own result file, never as bench/results/gpu_arith.json
+  # (gpu_summary.py's source: `arith`'s two blocks with a kill)
   step gpu_arith_tensor $(( $(left) - 5 )) python3 bench/gpu_arith.py --campaign /tmp/gpu-arith-tensor \
       --set sync.transport=tensor --set campaign.num_blocks=1 --set data.num_train_rows=1280 --no-kill
   tail -n 30 "$OUT/gpu_arith_tensor.log"
 elif [ "$call" = pending ]; then
-  # what was built and not yet timed on a GPU (the rest of session 26-28's list ran on 12-07, results
-  # in bench/results/): a Megatron checkpoint against a raw write (its 60 s limit was too short for
-  # Ray and the rank to start on 12-07)
+  # what was built and not yet timed on a GPU; now only a rerun of the Megatron checkpoint against a
+  # raw write (~90 s with Ray's start; 12-07: bench/results/checkpoint_write_gpu.txt)
   step checkpoint_write 150 python3 bench/checkpoint_write.py --backend megatron --shape gpu-arith --rounds 3 \
       --out "$OUT/checkpoint_write_gpu.txt"
 else
