@@ -619,9 +619,11 @@ class ClusterConfig(Section):
     every stage a Slurm job (options from `slurm`)."""
 
     executor: Literal["local", "slurm"] = "local"
-    placement: Literal["colocated", "disaggregated"] = Field(
+    placement: Literal["colocated", "disaggregated", "shared"] = Field(
         "colocated", description="colocated: trainer and engines share devices (engines sleep while "
-                                 "training). disaggregated: separate devices, overlapping freely.")
+                                 "training). disaggregated: separate devices, overlapping freely. shared: "
+                                 "trainer and engines share devices and both stay resident, so they overlap "
+                                 "there (async RL on one GPU; the two must fit its memory together).")
     num_nodes: int = Field(1, ge=1, description="Nodes of the block's Ray allocation (slurm; the local "
                                                 "executor always runs on one machine).")
     slurm: SlurmOptions = SlurmOptions()
@@ -671,7 +673,8 @@ class Recipe(Section):
             raise ValueError(
                 f"loop.max_staleness={self.loop.max_staleness} needs cluster.placement: disaggregated: "
                 "colocated engines sleep while the trainer runs, so nothing can be generated ahead; "
-                "set cluster.placement=disaggregated, or loop.max_staleness=0")
+                "set cluster.placement=disaggregated (separate devices), cluster.placement=shared (the "
+                "same devices, both resident), or loop.max_staleness=0")
         if self.train.lora is not None and self.sync.transport != "disk":
             raise ValueError(
                 f"train.lora sends only the adapter, as a PEFT folder through /load_lora_adapter; "

@@ -8,6 +8,9 @@ to need it) and found by name by the run_steps stage and by engine restarts:
   runs, see FleetTransport.asleep).
 - `disaggregated`: the trainer's bundles first, then the engines' own; nothing is shared,
   so rollout and training overlap freely (async, loop.max_staleness > 0).
+- `shared`: bundles as colocated, but the engines never sleep: trainer and engines both keep
+  their memory and overlap on the same devices (async on one GPU). Both must fit together
+  (`milepost plan` checks it).
 
 SGLang engines (`rollout.engine: sglang`) get GPU bundles: engine e's bundle holds its
 TP size in GPUs, the engine actor asks for them (`num_gpus`), Ray sets its
@@ -17,8 +20,8 @@ On a cluster with GPUs (`gpus`), every trainer rank and every built-in engine ta
 disaggregated, each its own bundle's GPU; colocated, a rank and the engine of its bundle
 each ask GPU_SHARE of the bundle's one GPU, so Ray gives both that GPU in
 CUDA_VISIBLE_DEVICES (an actor that asks no GPU sees none) and they hand its memory over
-each step. Colocated SGLang engines of TP > 1 keep their whole bundle: ranks beside them
-ask no GPU (not run on GPUs yet).
+each step (`shared`: the same, without the handover). Colocated SGLang engines of TP > 1
+keep their whole bundle: ranks beside them ask no GPU (not run on GPUs yet).
 
 Strategy PACK: bundles fill one node before the next, so a block's trainer ranks stay
 together (their collectives are the heaviest traffic). The group dies with the block's Ray
@@ -41,18 +44,23 @@ GPU_SHARE = 0.5  # colocated on a GPU: what the rank and the engine of a bundle 
 
 @dataclass(frozen=True)
 class Placement:
-    mode: str  # "colocated" | "disaggregated"
+    mode: str  # "colocated" | "disaggregated" | "shared"
     num_ranks: int
     num_engines: int
     rank_cpus: float
     engine_gpus: int = 0  # GPUs per engine: SGLang TP=k takes k, the built-in 1 on GPUs (launcher.engine_gpus)
     gpus: bool = False  # the cluster has GPUs: trainer ranks take one each (module docstring)
 
+    @property
+    def shares_devices(self) -> bool:
+        """Trainer rank b and engine b on one bundle (colocated and shared)."""
+        return self.mode in ("colocated", "shared")
+
     def bundles(self) -> list[dict[str, float]]:
         """Logical CPUs, plus GPUs: `engine_gpus` in each engine's bundle (an SGLang engine of
         TP=k is one actor: its k GPUs must be one bundle, hence one node) and, with `gpus`,
         one in each rank's. Colocated, bundle b holds engine b and trainer rank b."""
-        if self.mode == "colocated":
+        if self.shares_devices:
             return [{"CPU": self.rank_cpus + ENGINE_CPUS, **_gpu(self._colocated_gpus(b))}
                     for b in range(max(self.num_ranks, self.num_engines))]
         return ([{"CPU": self.rank_cpus, **_gpu(1 if self.gpus else 0)} for _ in range(self.num_ranks)]
@@ -63,8 +71,8 @@ class Placement:
         return max(engine, 1 if self.gpus and bundle < self.num_ranks else 0)
 
     def _shares_gpu(self, bundle: int) -> bool:
-        """A rank and a one-GPU engine on one bundle's GPU (colocated)."""
-        return (self.mode == "colocated" and self.gpus and self.engine_gpus == 1
+        """A rank and a one-GPU engine on one bundle's GPU (colocated or shared)."""
+        return (self.shares_devices and self.gpus and self.engine_gpus == 1
                 and bundle < self.num_engines and bundle < self.num_ranks)
 
     def rank_gpus(self, rank: int) -> float:
@@ -73,7 +81,7 @@ class Placement:
             return 0.0
         if self._shares_gpu(self.rank_bundle(rank)):
             return GPU_SHARE
-        busy = self.mode == "colocated" and rank < self.num_engines and self.engine_gpus > 1
+        busy = self.shares_devices and rank < self.num_engines and self.engine_gpus > 1
         return 0.0 if busy else 1.0
 
     def engine_gpu_request(self, index: int) -> float:
@@ -84,7 +92,7 @@ class Placement:
         return rank
 
     def engine_bundle(self, index: int) -> int:
-        if self.mode == "colocated":
+        if self.shares_devices:
             return index % max(self.num_ranks, self.num_engines)
         return self.num_ranks + index
 

@@ -82,7 +82,7 @@ class Roles:
 
     @property
     def total_devices(self) -> int:
-        if self.placement == "colocated":
+        if self.placement in ("colocated", "shared"):
             return max(self.trainer_devices, self.engine_devices)
         return self.trainer_devices + self.engine_devices
 
@@ -189,9 +189,9 @@ def check_trainer(arch: Architecture, lay: TrainLayout, gpus_per_node: int) -> l
 def check_roles(arch: Architecture, r: Roles) -> list[Problem]:
     out = _tp_rules(arch, r.engine_tp, "rollout.engine_tensor_parallel", engine=True)
     out += _node_rule(r.engine_tp, r.gpus_per_node, "rollout.engine_tensor_parallel", allow_multinode=True)
-    if r.placement == "colocated" and r.engine_devices > r.trainer_devices:
+    if r.placement in ("colocated", "shared") and r.engine_devices > r.trainer_devices:
         out.append(Problem(
-            f"colocated engines run on the trainer's {r.trainer_devices} devices, but rollout.num_engines * "
+            f"{r.placement} engines run on the trainer's {r.trainer_devices} devices, but rollout.num_engines * "
             f"engine_tensor_parallel = {r.num_engines}*{r.engine_tp} = {r.engine_devices}",
             f"set rollout.num_engines to at most {r.trainer_devices // r.engine_tp}, or cluster.placement: "
             "disaggregated"))
@@ -214,7 +214,7 @@ def role_notes(recipe: Recipe, lay: TrainLayout, r: Roles, arch: Architecture) -
     if lay.backend == "megatron" and arch.model_type not in MEGATRON_BUILDS:
         notes.append(f"the Megatron backend does not build `{arch.model_type}` models yet (it builds "
                      f"{', '.join(MEGATRON_BUILDS)}): this recipe is planned, not runnable, in this version")
-    if r.placement == "colocated" and r.engine_devices < r.trainer_devices:
+    if r.placement in ("colocated", "shared") and r.engine_devices < r.trainer_devices:
         notes.append(f"only {r.engine_devices} of the {r.trainer_devices} trainer devices host an engine")
     if r.device == "gpu" and r.nodes_needed * r.gpus_per_node > r.total_devices:
         notes.append(f"{r.nodes_needed * r.gpus_per_node - r.total_devices} GPU(s) of the allocation stay idle")

@@ -75,6 +75,8 @@ def _worst_stage(arch: Architecture, lay: TrainLayout) -> tuple[int, list[Memory
 def _phases(r: Roles, trainer: list[MemoryItem], engine: list[MemoryItem], reserve: float) -> list[Phase]:
     if r.placement == "disaggregated":
         return [Phase("trainer device", trainer, reserve), Phase("engine device", engine, reserve)]
+    if r.placement == "shared":  # nothing is handed over: the trainer's step beside a resident engine
+        return [Phase("training beside the engines", trainer + engine, reserve)]
     static = [i for i in trainer if i.name in ("weights", "adapter", "grads", "optimizer")]
     return [Phase("training (engines asleep)", trainer, reserve),
             Phase("rollout (trainer state resident)", static + engine, reserve)]
@@ -97,6 +99,8 @@ def _memory_fix(phase: Phase, lay: TrainLayout, r: Roles) -> str:
         fix = "raise train.megatron tensor_parallel / pipeline_parallel / expert_parallel (more ranks if needed)"
     if r.placement == "colocated" and phase.name.startswith("rollout"):
         fix += ", or cluster.placement: disaggregated"
+    if r.placement == "shared":
+        fix += ", or cluster.placement: colocated (engines give their memory back while the trainer steps)"
     return fix + ", or a GPU with more memory (cluster.gpu_memory_gb)"
 
 
@@ -152,7 +156,7 @@ def format_plan(plan: Plan, recipe_name: str) -> str:
                + f"; {lay.num_microbatches} micro-batches of {lay.micro_batch_tokens} tokens per step")
     else:
         par = f"DDP x {lay.num_ranks} (whole model per rank)"
-    shared = " (the trainer's)" if r.placement == "colocated" else ""
+    shared = " (the trainer's)" if r.placement in ("colocated", "shared") else ""
     lines += [f"trainer    {r.trainer_devices} {dev}, {lay.backend} {lay.precision}: {par}",
               f"engines    {r.num_engines} x TP {r.engine_tp} = {r.engine_devices} {dev}{shared}",
               f"memory per device, trainer pipeline stage {plan.trainer_stage} (the largest):"]

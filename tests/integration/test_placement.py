@@ -36,6 +36,8 @@ def _used_per_bundle(group_id: str, num_bundles: int) -> list[float]:
     ("colocated", [RANK_NUM_CPUS + ENGINE_CPUS, RANK_NUM_CPUS]),
     # disaggregated: each rank its own bundle, the engine the third.
     ("disaggregated", [RANK_NUM_CPUS, RANK_NUM_CPUS, ENGINE_CPUS]),
+    # shared: as colocated (the engine only never sleeps: tests/integration/test_shared_placement.py).
+    ("shared", [RANK_NUM_CPUS + ENGINE_CPUS, RANK_NUM_CPUS]),
 ])
 def test_ranks_and_engines_land_on_their_bundles(model, mode, expected) -> None:
     placement = Placement(mode, num_ranks=2, num_engines=1, rank_cpus=RANK_NUM_CPUS)

@@ -194,6 +194,22 @@ def test_roles_colocated_engines_and_nodes(capsys) -> None:
     assert (plan.roles.trainer_devices, plan.roles.engine_devices, plan.roles.nodes_needed) == (256, 128, 48)
 
 
+def test_shared_placement_plans_the_trainer_beside_resident_engines(capsys) -> None:
+    """`shared` (async on the trainer's devices, nothing handed over): one memory phase holding
+    the trainer's whole step and the engines; the same devices as colocated, and its own fix."""
+    recipe = load_recipe(ROOT / "recipes" / "qwen3-8b-gsm8k.yaml", ["cluster.placement=shared", "loop.max_staleness=1"])
+    plan, colocated = make_plan(recipe), make_plan(load_recipe(ROOT / "recipes" / "qwen3-8b-gsm8k.yaml"))
+    assert [p.name for p in plan.phases] == ["training beside the engines"]
+    assert plan.phases[0].items == plan.trainer_items + plan.engine_items
+    assert plan.roles.total_devices == colocated.roles.total_devices == 8
+    assert plan.phases[0].total_bytes > max(p.total_bytes for p in colocated.phases)
+    err = _refused(capsys, "qwen3-8b-gsm8k.yaml", "cluster.placement=shared", "loop.max_staleness=1",
+                   "cluster.gpu_memory_gb=24")
+    assert "or cluster.placement: colocated (engines give their memory back" in err
+    err = _refused(capsys, "qwen3-8b-gsm8k.yaml", "cluster.placement=shared", "rollout.num_engines=8")
+    assert "shared engines run on the trainer's 8 devices, but" in err
+
+
 def test_kv_heads_rule_and_readable_config_json_wins(tmp_path, capsys) -> None:
     model = tmp_path / "model"
     model.mkdir()

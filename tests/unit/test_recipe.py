@@ -76,3 +76,7 @@ def test_async_with_colocated_engines_is_refused_with_the_fix(tmp_path):
         load_recipe(_write(tmp_path, "loop: {max_staleness: 1}\n"))
     recipe = load_recipe(_write(tmp_path, "loop: {max_staleness: 1}\ncluster: {placement: disaggregated}\n"))
     assert recipe.loop.max_staleness == 1
+    with pytest.raises(RecipeError, match="cluster.placement=shared"):  # the one-device way is named too
+        load_recipe(_write(tmp_path, "loop: {max_staleness: 1}\n"))
+    recipe = load_recipe(_write(tmp_path, "loop: {max_staleness: 1}\ncluster: {placement: shared}\n"))
+    assert recipe.cluster.placement == "shared"
