@@ -96,7 +96,8 @@ def _run_blocks(jobs: StageJobs, recipe: Any, result: dict[str, Any], save: Call
 
 def _step_figures(row: dict[str, Any]) -> dict[str, Any]:
     """What a step's metrics say of its time and reward (the run's per-phase split)."""
-    return {k: v for k, v in row.items() if k == "step" or k.startswith("timing/") or k == "rollout/reward_mean"}
+    kept = ("step", "rollout/reward_mean", "rollout/staleness", "rollout/num_generations")
+    return {k: v for k, v in row.items() if k in kept or k.startswith("timing/")}
 
 
 def _progress(line: str) -> None:
