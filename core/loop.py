@@ -142,7 +142,7 @@ class RLLoop:
                 self.hooks.step_end(row, context)
                 if step % self.recipe.checkpoint.every_steps == 0 or step == last_step:
                     self.save_checkpoint()
-            self.exports.wait(self.recipe.sync.timeout_s)  # its error, if any, fails the stage
+            self.exports.wait()  # its error, if any, fails the stage
         finally:
             self.ahead.stop(timeout_s=self.recipe.rollout.request_timeout_s)
 
@@ -180,8 +180,10 @@ class RLLoop:
             kept, filter_metrics = self.filters(samples, context)
         with span(timings, "advantages"):
             filter_metrics.update(assign_advantages(kept, r.algo.advantage))
-        with span(timings, "export_wait"):  # the trainer's weights stay put until it is written
-            self.exports.wait(self.recipe.sync.timeout_s)
+        # The trainer's weights stay put until it is written. No bound: it is the trainer's own
+        # work, as a train step is (a large model's export takes minutes).
+        with span(timings, "export_wait"):
+            self.exports.wait()
         behind_s = self.exports.report_behind()
         exported = {} if behind_s is None else {"timing/weight_export_behind_s": behind_s}
         with span(timings, "train"), self.engines_asleep():
@@ -224,7 +226,7 @@ class RLLoop:
         return metrics, waited_s
 
     def save_checkpoint(self) -> None:
-        self.exports.wait(self.recipe.sync.timeout_s)  # one export at a time on the trainer
+        self.exports.wait()  # one export at a time on the trainer
         self.state.model_sha256 = self.backend.weights_sha256()
         snapshot = self.ahead.snapshot(self.source)
         self.state.cursor, self.state.rollout_chunks = snapshot["cursor"], snapshot["chunks"]
