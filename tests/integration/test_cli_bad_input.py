@@ -63,7 +63,7 @@ RUN = ["run", "recipes/tiny-arith.yaml", "--campaign", "{tmp}/campaign"]
      "`campaign.steps_per_block`: Input should be greater than or equal to 1 (got -1)"),
     (["--set", "rollout.top_p=1.5"], "`rollout.top_p`: Input should be less than or equal to 1 (got 1.5)"),
     (["--set", "rollout.temperature=-1"], "`rollout.temperature`: Input should be greater than or equal to 0"),
-    (["--set", "loop.max_staleness=2"], "cluster.placement=shared (the same devices, both resident), or loop.max_staleness=0"),
+    (["--set", "loop.max_staleness=2"], "cluster.placement=shared (the same devices, both resident), or loop"),
     # model paths: checked before the store is written
     (["--set", "model.path=/nonexistent/model"], "model.path `/nonexistent/model` does not exist; pass a folder saved"),
     (["--set", "model.path={tmp}/ckpt-without-config"], "is not an HF checkpoint folder (no config.json)"),
