@@ -44,7 +44,7 @@ class ExportError(RuntimeError):
 
 class WeightExports:
     """Exports of the trainer's weights into `root/<step:08d>` by `export(path)` (the train
-    backend's `export_hf`). One export at a time; `write` is synchronous, `write_behind`
+    backend's `export_hf`). One export at a time; `write` is synchronous, `behind`
     exports after a push, in the background (module docstring)."""
 
     def __init__(self, root: Path, export: Callable[[str], None]) -> None:
