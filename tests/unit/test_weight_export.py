@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -141,9 +142,8 @@ def test_close_logs_a_failed_export_rather_than_raise_it(tmp_path: Path, caplog:
 
 
 def _wait(condition, timeout_s: float = 10.0) -> None:
-    done = threading.Event()
-    for _ in range(int(timeout_s / 0.01)):
-        if condition():
-            return
-        done.wait(0.01)
-    raise AssertionError("condition not met")
+    """Until `condition()` (a done callback runs in the export thread, just after the waiter wakes)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met"
+        time.sleep(0.01)
