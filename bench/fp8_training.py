@@ -63,7 +63,11 @@ RECIPES: dict[str, dict[str, Any]] = {name: asdict(recipe) for name, recipe in U
     "rowwise-fast": dict(scaling="rowwise", fast_accum=True),
     "rowwise-eager-casts": dict(scaling="rowwise", compile_casts=False),
     "tensorwise-fast-gw-bf16": dict(scaling="tensorwise", fast_accum=True, wgrad_fp8=False),
-    "tensorwise-fast-compiled-amax": dict(scaling="tensorwise", fast_accum=True, eager_amax=False)}
+    "tensorwise-fast-compiled-amax": dict(scaling="tensorwise", fast_accum=True, eager_amax=False,
+                                          cast_kernel="inductor"),
+    "tensorwise-fast-inductor": dict(scaling="tensorwise", fast_accum=True, cast_kernel="inductor"),
+    "tensorwise-fast-delayed-inductor": dict(scaling="tensorwise", fast_accum=True, amax_history=16,
+                                             cast_kernel="inductor")}
 TARGET_SPEEDUP, TARGET_GAP = 1.15, 0.02
 
 

@@ -38,7 +38,11 @@ class Fp8Recipe:
     (same value; kept switchable so the bench measures both side by side). `amax_history`: 0,
     current scaling (each cast scales by its own amax); N > 0, tensorwise only: delayed
     scaling of activations and gradients from the last N amaxes of the same operand in the same
-    layer (core/quant/fp8_delayed.py; the caller passes the layer's `AmaxHistory`)."""
+    layer (core/quant/fp8_delayed.py; the caller passes the layer's `AmaxHistory`).
+    `cast_kernel`: how a compiled per-tensor cast runs on CUDA: "triton", one kernel launched
+    directly (core/quant/fp8_triton.py: a fraction of a compiled call's host time, one read of
+    the tensor for both layouts), or "inductor", `quantize_t` through torch.compile (kept so the
+    bench measures both side by side). Rowwise casts always go through inductor."""
 
     scaling: Literal["rowwise", "tensorwise"] = "rowwise"
     wgrad_fp8: bool = True
@@ -46,6 +50,7 @@ class Fp8Recipe:
     fast_accum: bool = False
     eager_amax: bool = True
     amax_history: int = 0
+    cast_kernel: Literal["triton", "inductor"] = "triton"
 
     def __post_init__(self) -> None:
         if self.amax_history < 0 or (self.amax_history and self.scaling != "tensorwise"):
@@ -61,7 +66,8 @@ class Fp8Recipe:
         return (f"{self.scaling} scales, e4m3 activations/weights, {grad} gradients, "
                 f"wgrad in {'fp8' if self.wgrad_fp8 else 'bf16'}"
                 + (", casts eager" if not self.compile_casts else "") + (", fast accum" if self.fast_accum else "")
-                + (f", delayed scaling (amax history {self.amax_history})" if self.amax_history else ""))
+                + (f", delayed scaling (amax history {self.amax_history})" if self.amax_history else "")
+                + (", casts by inductor" if self.cast_kernel == "inductor" and self.scaling == "tensorwise" else ""))
 
 
 def tensor_amax(x: Tensor) -> Tensor:
@@ -136,8 +142,12 @@ def _compiled_quantize(dtype: torch.dtype, dim: int | None, layout: Layout = "ro
 
 def cast(x: Tensor, dtype: torch.dtype, dim: int | None, recipe: Fp8Recipe,
          layout: Layout = "row") -> tuple[Tensor, ...]:
-    """`quantize_t`, compiled on CUDA when `recipe.compile_casts` (Fp8Recipe)."""
+    """`quantize_t`, compiled on CUDA when `recipe.compile_casts` (Fp8Recipe): per tensor by
+    `recipe.cast_kernel`, per row or column by inductor."""
     if recipe.compile_casts and x.is_cuda:
+        if dim is None and recipe.cast_kernel == "triton":
+            from milepost.core.quant.fp8_triton import cast_tensorwise  # imports this module
+            return cast_tensorwise(x, dtype, layout)
         return _compiled_quantize(dtype, dim, layout, recipe.eager_amax)(x)
     return quantize_t(x, dtype, dim, layout)
 

@@ -63,3 +63,41 @@ def test_compiled_casts_equal_eager_casts_bit_for_bit_on_cuda() -> None:
         print(f"\n{dtype} dim {dim}: {differ.float().mean().item():.2e} of the bytes differ (at most {ulps} "
               f"codes apart); scales equal: {torch.equal(s, s0)}")
         assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0), (dtype, dim)
+
+
+def _bytes(ts: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    return [t.view(torch.uint8) if t.dtype in (E4M3, E5M2) else t for t in ts]
+
+
+@pytest.mark.parametrize("shape", [(3000, 2048), (3001, 520), (16, 16)])
+def test_triton_cast_equals_the_eager_cast_bit_for_bit(shape: tuple[int, int]) -> None:
+    from milepost.core.quant.fp8_triton import cast_tensorwise
+    full = torch.randn(shape[0], shape[1] + 8, device="cuda", dtype=torch.bfloat16) * 3
+    for x in (full[:, :shape[1]].contiguous(), full[:, :shape[1]]):  # and rows with a stride of their own
+        for dtype in (E4M3, E5M2):
+            for layout in ("row", "col", "both"):
+                got, want = cast_tensorwise(x, dtype, layout), quantize_t(x, dtype, None, layout)
+                assert all(torch.equal(a, b) for a, b in zip(_bytes(got), _bytes(want))), (shape, dtype, layout)
+    zeros = torch.zeros(64, 256, device="cuda", dtype=torch.bfloat16)  # amax floor: zeros stay zeros
+    assert all(torch.equal(a, b) for a, b in zip(_bytes(cast_tensorwise(zeros, E4M3, "both")),
+                                                 _bytes(quantize_t(zeros, E4M3, None, "both"))))
+
+
+def test_triton_delayed_cast_equals_the_eager_delayed_cast() -> None:
+    from milepost.core.quant.fp8_delayed import quantize_delayed
+    from milepost.core.quant.fp8_triton import cast_delayed
+    history = torch.rand(16, device="cuda") * 4
+    mine, theirs = history.clone(), history.clone()
+    for step in range(3):  # the records roll: each cast scales from the last ones
+        x = torch.randn(3001, 520, device="cuda", dtype=torch.bfloat16) * (step + 1)
+        got, want = cast_delayed(x, E5M2, mine, "both"), quantize_delayed(x, E5M2, theirs, "both")
+        assert all(torch.equal(a, b) for a, b in zip(_bytes(got), _bytes(want))), step
+        assert torch.equal(mine, theirs), step
+
+
+def test_inductor_and_triton_cast_kernels_give_the_same_linear() -> None:
+    for recipe in (Fp8Recipe("tensorwise", fast_accum=True), Fp8Recipe("tensorwise")):
+        runs = [_run("cuda", replace(recipe, cast_kernel=kernel), compile_casts=True)
+                for kernel in ("triton", "inductor")]
+        for what, a, b in zip(("y", "dgrad", "wgrad"), *runs):
+            assert torch.equal(a, b), (recipe.describe(), what)

@@ -1,0 +1,125 @@
+"""The per-tensor FP8 cast of core/quant/fp8_cast.py as one Triton kernel, launched directly
+(`Fp8Recipe.cast_kernel == "triton"`, tensorwise scaling on CUDA; the default there).
+
+Why a kernel of our own, when inductor compiles the same arithmetic: on the H100 at the
+Qwen3-1.7B shape the fp8 step was host-bound (bench/results/fp8_profile_h100.txt: 0.65 s of
+GPU kernels in a 0.79 s step). Each compiled cast cost ~100 us of host time (dynamo's guards,
+AOTAutograd's wrappers, then inductor's launcher: bench/results/fp8_casts_gpu.txt, "host"),
+~1,800 calls a step; a Triton launch costs a fraction of that. And inductor made two passes of
+the both-layouts cast at dynamic shapes (q, then q^T read back from q); this kernel reads each
+2-D tile of x once and writes it in both layouts, the transposed store coalesced by Triton's
+layout conversion through shared memory. Only the cast: the GEMMs stay torch._scaled_mm.
+
+The arithmetic is `fp8_cast.quantize`'s, operation for operation, so the bytes are the same:
+scale = fmax * (1 / amax) (torch's `fmax / amax` of a tensor is `amax.reciprocal() * fmax`),
+q = clamp(x_fp32 * scale, -fmax, fmax) rounded to nearest even, scale_inv = amax / fmax, with
+IEEE division (`div_rn`). tests/gpu/test_fp8_linear_gpu.py checks bit equality with the eager
+cast. Delayed scaling (`amax_history`): the scale comes from the layer's records and the kernel
+records x's own amax in the same pass (an atomic max over the tiles' amaxes).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from milepost.core.quant.fp8_cast import AMAX_FLOOR, Layout, tensor_amax
+
+BLOCK_M, BLOCK_K = 64, 128  # a tile: 16 KB of bf16 read, 8 + 8 KB of fp8 written
+
+
+def triton_available() -> bool:
+    """Whether Triton (shipped with CUDA builds of torch) imports here."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _kernel() -> Any:
+    """The cast kernel, defined on first use (CPU-only installs have no Triton)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def cast_tile(x_ptr, q_ptr, qt_ptr, amax_ptr, history_ptr, scale_inv_ptr, amax_out_ptr,
+                  M, K, stride_xm,
+                  FMAX: tl.constexpr, FLOOR: tl.constexpr, HISTORY: tl.constexpr,
+                  WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr, RECORD_AMAX: tl.constexpr,
+                  BM: tl.constexpr, BK: tl.constexpr):
+        pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+        if HISTORY > 0:  # delayed scaling: the largest of the layer's records
+            amax = tl.max(tl.load(history_ptr + tl.arange(0, HISTORY)), axis=0)
+        else:
+            amax = tl.load(amax_ptr).to(tl.float32)
+        amax = tl.maximum(amax, FLOOR)
+        scale = tl.math.div_rn(1.0, amax) * FMAX
+        if (pid_m == 0) & (pid_k == 0):
+            tl.store(scale_inv_ptr, tl.math.div_rn(amax, FMAX))
+        rm = pid_m * BM + tl.arange(0, BM)
+        rk = pid_k * BK + tl.arange(0, BK)
+        mask = (rm[:, None] < M) & (rk[None, :] < K)
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+        q = tl.clamp(x * scale, -FMAX, FMAX).to(q_ptr.dtype.element_ty)
+        if WRITE_Q:
+            tl.store(q_ptr + rm[:, None] * K + rk[None, :], q, mask=mask)
+        if WRITE_QT:
+            tl.store(qt_ptr + rk[:, None] * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
+        if RECORD_AMAX:  # amax >= 0: atomic max over the tiles
+            tl.atomic_max(amax_out_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+
+    return cast_tile
+
+
+def _launch(x: Tensor, dtype: torch.dtype, layout: Layout, amax: Tensor | None, history: Tensor | None,
+            record: Tensor | None) -> tuple[Tensor, ...]:
+    """One launch of the kernel over x: [M, K] (unit inner stride) -> `quantize_t`'s outputs."""
+    if x.dim() != 2:
+        raise ValueError(f"the triton fp8 cast takes a 2-D tensor, got shape {tuple(x.shape)}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=dtype, device=x.device) if layout != "col" else None
+    q_t = torch.empty((k, m), dtype=dtype, device=x.device) if layout != "row" else None
+    scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
+    dummy = scale_inv  # pointers a variant does not read or write
+    grid = (triton_cdiv(m, BLOCK_M), triton_cdiv(k, BLOCK_K))
+    _kernel()[grid](
+        x, q if q is not None else q_t, q_t if q_t is not None else q,
+        amax if amax is not None else dummy, history if history is not None else dummy, scale_inv,
+        record if record is not None else dummy, m, k, x.stride(0),
+        FMAX=torch.finfo(dtype).max, FLOOR=AMAX_FLOOR, HISTORY=0 if history is None else history.numel(),
+        WRITE_Q=q is not None, WRITE_QT=q_t is not None, RECORD_AMAX=record is not None,
+        BM=BLOCK_M, BK=BLOCK_K, num_warps=4)
+    if layout == "row":
+        return q, scale_inv  # type: ignore[return-value]
+    if layout == "col":
+        return q_t, scale_inv  # type: ignore[return-value]
+    return q, q_t, scale_inv  # type: ignore[return-value]
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def cast_tensorwise(x: Tensor, dtype: torch.dtype, layout: Layout = "row") -> tuple[Tensor, ...]:
+    """`fp8_cast.quantize_t(x, dtype, None, layout)` on CUDA: current scaling, x's amax by one
+    eager reduction (`tensor_amax`), then one kernel pass for the cast in `layout`."""
+    return _launch(x, dtype, layout, tensor_amax(x), None, None)
+
+
+def cast_delayed(x: Tensor, dtype: torch.dtype, history: Tensor, layout: Layout = "row") -> tuple[Tensor, ...]:
+    """`fp8_delayed.quantize_delayed` on CUDA: scaled by max(history) (float32 [N], N a power
+    of two), x's own amax recorded in `history` (newest first, the oldest dropped)."""
+    if history.numel() & (history.numel() - 1):
+        raise ValueError(f"the triton delayed cast needs an amax history of a power-of-two length, got "
+                         f"{history.numel()}")
+    record = torch.zeros(1, dtype=torch.float32, device=x.device)
+    out = _launch(x, dtype, layout, None, history, record)
+    history.copy_(torch.cat([record, history[:-1]]))  # after the kernel read it (same stream)
+    return out
