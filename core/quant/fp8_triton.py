@@ -12,10 +12,12 @@ layout conversion through shared memory. Only the cast: the GEMMs stay torch._sc
 
 The arithmetic is `fp8_cast.quantize`'s, operation for operation, so the bytes are the same:
 scale = fmax * (1 / amax) (torch's `fmax / amax` of a tensor is `amax.reciprocal() * fmax`),
-q = clamp(x_fp32 * scale, -fmax, fmax) rounded to nearest even, scale_inv = amax / fmax, with
-IEEE division (`div_rn`). tests/gpu/test_fp8_linear_gpu.py checks bit equality with the eager
-cast. Delayed scaling (`amax_history`): the scale comes from the layer's records and the kernel
-records x's own amax in the same pass (an atomic max over the tiles' amaxes).
+q = clamp(x_fp32 * scale, -fmax, fmax) rounded to nearest even, with IEEE division (`div_rn`);
+scale_inv = amax * fp32(1 / fmax) (CUDA's `amax / fmax` by a Python number multiplies by the
+number's float32 reciprocal; 1 / 448 is not exact, so a division would differ in the last
+bit). tests/gpu/test_fp8_linear_gpu.py checks bit equality with the eager cast. Delayed
+scaling (`amax_history`): the scale comes from the layer's records and the kernel records x's
+own amax in the same pass (an atomic max over the tiles' amaxes).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def _kernel() -> Any:
     @triton.jit
     def cast_tile(x_ptr, q_ptr, qt_ptr, amax_ptr, history_ptr, scale_inv_ptr, amax_out_ptr,
                   M, K, stride_xm,
-                  FMAX: tl.constexpr, FLOOR: tl.constexpr, HISTORY: tl.constexpr,
+                  FMAX: tl.constexpr, INV_FMAX: tl.constexpr, FLOOR: tl.constexpr, HISTORY: tl.constexpr,
                   WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr, RECORD_AMAX: tl.constexpr,
                   BM: tl.constexpr, BK: tl.constexpr):
         pid_m, pid_k = tl.program_id(0), tl.program_id(1)
@@ -60,7 +62,7 @@ def _kernel() -> Any:
         amax = tl.maximum(amax, FLOOR)
         scale = tl.math.div_rn(1.0, amax) * FMAX
         if (pid_m == 0) & (pid_k == 0):
-            tl.store(scale_inv_ptr, tl.math.div_rn(amax, FMAX))
+            tl.store(scale_inv_ptr, amax * INV_FMAX)
         rm = pid_m * BM + tl.arange(0, BM)
         rk = pid_k * BK + tl.arange(0, BK)
         mask = (rm[:, None] < M) & (rk[None, :] < K)
@@ -88,12 +90,13 @@ def _launch(x: Tensor, dtype: torch.dtype, layout: Layout, amax: Tensor | None, 
     q_t = torch.empty((k, m), dtype=dtype, device=x.device) if layout != "row" else None
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
     dummy = scale_inv  # pointers a variant does not read or write
-    grid = (triton_cdiv(m, BLOCK_M), triton_cdiv(k, BLOCK_K))
+    fmax, inv_fmax = _limits(dtype)
+    grid = (-(-m // BLOCK_M), -(-k // BLOCK_K))
     _kernel()[grid](
         x, q if q is not None else q_t, q_t if q_t is not None else q,
         amax if amax is not None else dummy, history if history is not None else dummy, scale_inv,
         record if record is not None else dummy, m, k, x.stride(0),
-        FMAX=torch.finfo(dtype).max, FLOOR=AMAX_FLOOR, HISTORY=0 if history is None else history.numel(),
+        FMAX=fmax, INV_FMAX=inv_fmax, FLOOR=AMAX_FLOOR, HISTORY=0 if history is None else history.numel(),
         WRITE_Q=q is not None, WRITE_QT=q_t is not None, RECORD_AMAX=record is not None,
         BM=BLOCK_M, BK=BLOCK_K, num_warps=4)
     if layout == "row":
@@ -103,8 +106,11 @@ def _launch(x: Tensor, dtype: torch.dtype, layout: Layout, amax: Tensor | None, 
     return q, q_t, scale_inv  # type: ignore[return-value]
 
 
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+@functools.cache
+def _limits(dtype: torch.dtype) -> tuple[float, float]:
+    """(dtype's largest value, 1 / it rounded to float32: what CUDA's `amax / fmax` multiplies by)."""
+    fmax = torch.finfo(dtype).max
+    return fmax, float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(fmax, dtype=torch.float32))
 
 
 def cast_tensorwise(x: Tensor, dtype: torch.dtype, layout: Layout = "row") -> tuple[Tensor, ...]:
