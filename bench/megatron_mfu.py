@@ -264,7 +264,7 @@ def profile_step(step: Callable[[], None], path: Path, title: str) -> list[str]:
     kernels = [e for e in prof.key_averages() if _is_kernel(e)]
     dev = lambda e: getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)  # noqa: E731
     kinds = {"gemm": ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul"), "attention": ("flash", "fmha", "attn",
-             "cudnn"), "triton (compiled)": ("triton",), "nccl": ("nccl",)}
+             "cudnn"), "fp8 cast (triton)": ("fp8_cast_tile",), "triton (compiled)": ("triton",), "nccl": ("nccl",)}
     by_kind: dict[str, float] = {}
     for e in kernels:
         kind = next((k for k, keys in kinds.items() if any(s in e.key.lower() for s in keys)), "other (eager)")

@@ -49,7 +49,7 @@ def _kernel() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def cast_tile(x_ptr, q_ptr, qt_ptr, amax_ptr, history_ptr, scale_inv_ptr, amax_out_ptr,
+    def fp8_cast_tile(x_ptr, q_ptr, qt_ptr, amax_ptr, history_ptr, scale_inv_ptr, amax_out_ptr,
                   M, K, stride_xm,
                   FMAX: tl.constexpr, INV_FMAX: tl.constexpr, FLOOR: tl.constexpr, HISTORY: tl.constexpr,
                   WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr, RECORD_AMAX: tl.constexpr,
@@ -75,7 +75,7 @@ def _kernel() -> Any:
         if RECORD_AMAX:  # amax >= 0: atomic max over the tiles
             tl.atomic_max(amax_out_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
 
-    return cast_tile
+    return fp8_cast_tile
 
 
 def _launch(x: Tensor, dtype: torch.dtype, layout: Layout, amax: Tensor | None, history: Tensor | None,
