@@ -33,15 +33,6 @@ from milepost.core.quant.fp8_cast import AMAX_FLOOR, Layout, tensor_amax
 BLOCK_M, BLOCK_K = 64, 128  # a tile: 16 KB of bf16 read, 8 + 8 KB of fp8 written
 
 
-def triton_available() -> bool:
-    """Whether Triton (shipped with CUDA builds of torch) imports here."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 @functools.cache
 def _kernel() -> Any:
     """The cast kernel, defined on first use (CPU-only installs have no Triton)."""
