@@ -13,8 +13,9 @@
 #   source bench/device_calls.sh tests     the GPU tests, warm-start speed
 #   source bench/device_calls.sh tensor    gpu-arith's first block alone, no kill (~250 s; the recipe pushes over CUDA IPC)
 #   source bench/device_calls.sh pending   what was built and not yet run on a GPU (~200 s)
+#   source bench/device_calls.sh fp8       issue 21's training figures in one call (~500 s)
 # Everything a call writes comes back in $OUT/results.tgz (and $OUT/steps.txt).
-call=${1:?arith, figures, sync, tensor, pending or tests}
+call=${1:?arith, figures, fp8, sync, tensor, pending or tests}
 SECONDS=0
 left() { echo $(( ${CALL_LIMIT_S:-575} - SECONDS )); }
 step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log, say how it ended
@@ -82,6 +83,17 @@ elif [ "$call" = tensor ]; then
   step gpu_arith_tensor $(( $(left) - 5 )) python3 bench/gpu_arith.py --campaign /tmp/gpu-arith-tensor \
       --set sync.transport=tensor --set campaign.num_blocks=1 --set data.num_train_rows=1280 --no-kill
   tail -n 30 "$OUT/gpu_arith_tensor.log"
+elif [ "$call" = fp8 ]; then
+  # issue 21 in one call (~500 s): the fp8 GPU tests; bf16 beside tensorwise-fast at micro-batch 4 on random
+  # tokens, 30 steps, profiled (comparable with runs 1-8); then micro-batch 8 on arithmetic text, 50 steps, a
+  # new batch each step (the loss curve), with int4_qat beside it at micro-batch 4
+  step gpu_tests 100 python3 -m pytest -q -m gpu tests/gpu/test_fp8_linear_gpu.py -s
+  export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+  step fp8_mb4 200 python3 bench/fp8_training.py --variant fuse=1,mb=4 --fp8-recipes tensorwise-fast --steps 30 \
+      --profile "$OUT/fp8_profile_mb4.txt" --out "$OUT/fp8_mb4.txt"
+  step fp8_mb8_arith $(( $(left) - 5 )) python3 bench/fp8_training.py --variant fuse=1,mb=8 \
+      --fp8-recipes tensorwise-fast --data arith --batches 50 --steps 50 --other-modes int4_qat --other-mb 4 \
+      --other-steps 50 --out "$OUT/fp8_mb8_arith.txt"
 elif [ "$call" = pending ]; then
   # what was built and not yet timed on a GPU; now only a rerun of the Megatron checkpoint against a
   # raw write (~90 s with Ray's start; 12-07: bench/results/checkpoint_write_gpu.txt)

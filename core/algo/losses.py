@@ -199,7 +199,36 @@ def rl_loss(
     ref_logprobs: Tensor | None = None,
     entropy: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Full RL objective for one micro-batch. All tensors [B, T]; returns (scalar loss, metrics).
+    """`rl_loss_on_device` with its metrics as floats (one device-to-host copy)."""
+    loss, metrics = rl_loss_on_device(logprobs, old_logprobs, engine_logprobs, advantages, mask, cfg,
+                                      token_normalizer, ref_logprobs, entropy)
+    return loss, floats_of(metrics)
+
+
+def floats_of(metrics: dict[str, Tensor]) -> dict[str, float]:
+    """0-dim metric tensors -> floats, read back from the device in one copy."""
+    if not metrics:
+        return {}
+    values = torch.stack([v.detach().float().reshape(()) for v in metrics.values()]).tolist()
+    return dict(zip(metrics, values))
+
+
+def rl_loss_on_device(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    engine_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: AlgoConfig,
+    token_normalizer: float,
+    ref_logprobs: Tensor | None = None,
+    entropy: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Full RL objective for one micro-batch. All tensors [B, T]; returns (scalar loss, metrics),
+    each metric a 0-dim tensor on the logprobs' device. Why not floats: reading one back waits
+    for the GPU, and a wait between a micro-batch's forward and its backward drains the queue the
+    host had built up, so the megatron backend reads every micro-batch's metrics after the whole
+    schedule (`rl_loss` reads them at once).
 
     per_token = policy(cfg.loss, a POLICY_LOSSES plugin) * tis + kl_coef * kl(cfg.kl_type) - entropy_coef * entropy,
     where tis = tis_weights(old, engine, cfg.tis_cap) or 1 when tis_cap is None.
@@ -230,8 +259,8 @@ def rl_loss(
 
     loss = masked_sum(per_token, mask) / token_normalizer
 
-    def contrib(x: Tensor | None) -> float:
-        return 0.0 if x is None else float(masked_sum(x.detach(), mask) / token_normalizer)
+    def contrib(x: Tensor | None) -> Tensor:
+        return loss.new_zeros(()) if x is None else (masked_sum(x.detach(), mask) / token_normalizer).detach()
 
     metrics = {
         "loss/policy": contrib(policy),

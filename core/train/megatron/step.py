@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from milepost.core.algo.losses import rl_loss
+from milepost.core.algo.losses import rl_loss_on_device
 from milepost.core.config import AlgoConfig
 from milepost.core.train.batch import collate, split_micro_batches
 from milepost.core.train.megatron.head import logprobs_and_entropy, response_logits
@@ -106,24 +106,47 @@ def build_micro_batches(samples: list[Sample], pad_id: int, pack: bool, micro_ba
 def micro_batch_loss(hidden: Tensor, model: Any, mb: MicroBatch, algo: AlgoConfig, temperature: float,
                      normalizer: float, vocab_size: int, tp_size: int, ref_logprobs: Tensor | None = None,
                      fuse: bool = True, on_logprobs: Callable[[Tensor], dict[str, float]] | None = None
-                     ) -> tuple[Tensor, dict[str, float]]:
+                     ) -> tuple[Tensor, dict[str, Tensor | float]]:
     """rl_loss of one micro-batch (sum over its loss tokens / the step's loss-token count).
-    `on_logprobs(logprobs [B, T])`: more metrics from the trained logprobs (routing replay's)."""
+    `on_logprobs(logprobs [B, T])`: more metrics from the trained logprobs (routing replay's).
+    Metrics stay on the device (`rl_loss_on_device`: nothing here waits for the GPU between the
+    forward and the backward); `metrics_read` turns a schedule's into floats, all at once."""
     batch = mb.batch
     logprobs, entropy = response_logprobs(hidden, model, mb, vocab_size, tp_size, temperature, fuse)
     if algo.entropy_coef == 0:
         entropy = entropy.detach()
-    loss, metrics = rl_loss(logprobs, logprobs.detach(), batch["engine_logprobs"], batch["advantages"],
-                            batch["loss_mask"], algo, normalizer, ref_logprobs=ref_logprobs, entropy=entropy)
+    loss, on_device = rl_loss_on_device(logprobs, logprobs.detach(), batch["engine_logprobs"], batch["advantages"],
+                                        batch["loss_mask"], algo, normalizer, ref_logprobs=ref_logprobs,
+                                        entropy=entropy)
+    metrics: dict[str, Tensor | float] = dict(on_device)
+    # engine vs trainer logprobs of the same weights (as the torch backend reports), over the loss tokens
     mask = batch["loss_mask"].bool()
-    if mask.any():  # engine vs trainer logprobs of the same weights (as the torch backend reports)
-        gap = (logprobs.detach() - batch["engine_logprobs"]).abs()[mask]
-        metrics["train/engine_logprob_diff_max"] = float(gap.max())
-        metrics["train/engine_logprob_absdiff_sum"] = float(gap.sum())
-    metrics["train/loss"] = float(loss.detach())
+    gap = torch.where(mask, (logprobs.detach() - batch["engine_logprobs"]).abs(), 0.0)
+    metrics["train/engine_logprob_diff_max"] = gap.amax()
+    metrics["train/engine_logprob_absdiff_sum"] = gap.sum()
+    metrics[_GAP_TOKENS] = mask.sum()
+    metrics["train/loss"] = loss.detach()
     if on_logprobs is not None:
         metrics.update(on_logprobs(logprobs.detach()))
     return loss, metrics
+
+
+_GAP_TOKENS = "_gap_tokens"  # micro_batch_loss -> metrics_read: the gap metrics count only with loss tokens
+
+
+def metrics_read(per_micro: list[dict[str, Tensor | float]]) -> list[dict[str, float]]:
+    """`micro_batch_loss`'s metrics of a schedule as floats, read back from the device in one copy
+    (one wait for the GPU, after the schedule). A micro-batch without loss tokens reports no gap."""
+    tensors = [v for m in per_micro for v in m.values() if isinstance(v, Tensor)]
+    values = iter(torch.stack([t.detach().float().reshape(()) for t in tensors]).tolist() if tensors else [])
+    out = []
+    for m in per_micro:
+        read = {k: next(values) if isinstance(v, Tensor) else float(v) for k, v in m.items()}
+        if read.pop(_GAP_TOKENS, 1.0) == 0:
+            read.pop("train/engine_logprob_diff_max", None)
+            read.pop("train/engine_logprob_absdiff_sum", None)
+        out.append(read)
+    return out
 
 
 def forward_hidden(model: Any, mb: MicroBatch) -> Tensor:

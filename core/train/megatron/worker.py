@@ -59,6 +59,7 @@ from milepost.core.train.megatron.step import (
     MicroBatch,
     build_micro_batches,
     forward_hidden,
+    metrics_read,
     micro_batch_loss,
     response_logprobs,
 )
@@ -314,7 +315,7 @@ class MegatronRankWorker(SenderRank):
                                  self.temperature, self.cfg.megatron.fuse)[0]
 
     def _loss(self, model: Any, mb: MicroBatch, ref: torch.Tensor | None, normalizer: float,
-              hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+              hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor | float]]:
         compare: Callable[[torch.Tensor], dict[str, float]] | None = None
         if self.replay is not None and mb.routes is not None:  # agreement, gap with and without replay
             replay, routes = self.replay, mb.routes
@@ -354,7 +355,7 @@ class MegatronRankWorker(SenderRank):
             group["lr"] = lr
         batched = self._clock()
         with autocast(self.autocast):
-            per_micro = self._run_schedule(mbs, normalizer, forward_only=False)
+            per_micro = metrics_read(self._run_schedule(mbs, normalizer, forward_only=False))
         scheduled = self._clock()
         moe_tp.scale_expert_grads(self.expert_params, self.tp_size)  # experts saw TP copies of the tokens
         skip = agree_to_skip(not (all_finite(m.get("train/loss", 0.0) for m in per_micro) and self._grads_finite()),
