@@ -14,6 +14,7 @@ from milepost.core.algo.losses import (
     masked_sum,
     ppo_clip_token_loss,
     rl_loss,
+    rl_loss_on_device,
     sft_loss,
     tis_weights,
 )
@@ -181,6 +182,19 @@ def test_rl_loss_without_tis_uses_unit_weights() -> None:
     close(loss.reshape(1), [-0.1])
     assert m["loss/tis_mean"] == pytest.approx(1.0)
     assert m["loss/kl"] == 0.0 and m["loss/entropy"] == 0.0
+
+
+def test_rl_loss_on_device_keeps_every_metric_a_tensor_of_the_same_value() -> None:
+    lp = torch.tensor([[0.0, LN(0.5), 7.0]])
+    args = (lp, torch.zeros(1, 3), torch.tensor([[-LN(3.0), 0.0, 0.0]]), torch.tensor([[1.0, -1.0, 1.0]]),
+            torch.tensor([[1, 1, 0]]), full_cfg(kl_coef=0.0, entropy_coef=0.0), 2.0)
+    loss, floats = rl_loss(*args)
+    loss_t, tensors = rl_loss_on_device(*args)
+    assert torch.equal(loss, loss_t) and tensors.keys() == floats.keys()
+    for key, value in tensors.items():
+        assert isinstance(value, torch.Tensor) and value.dim() == 0 and not value.requires_grad, key
+        assert value.item() == floats[key], key
+    assert tensors["loss/kl"].item() == 0.0  # no ref logprobs: a zero, as rl_loss reports
 
 
 def test_rl_loss_requires_ref_logprobs_when_kl_coef_is_positive() -> None:
