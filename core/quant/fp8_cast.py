@@ -143,11 +143,13 @@ def _compiled_quantize(dtype: torch.dtype, dim: int | None, layout: Layout = "ro
 def cast(x: Tensor, dtype: torch.dtype, dim: int | None, recipe: Fp8Recipe,
          layout: Layout = "row") -> tuple[Tensor, ...]:
     """`quantize_t`, compiled on CUDA when `recipe.compile_casts` (Fp8Recipe): per tensor by
-    `recipe.cast_kernel`, per row or column by inductor."""
+    `recipe.cast_kernel` (the Triton kernel where its 32-bit offsets fit, else inductor), per row
+    or column by inductor."""
     if recipe.compile_casts and x.is_cuda:
         if dim is None and recipe.cast_kernel == "triton":
-            from milepost.core.quant.fp8_triton import cast_tensorwise  # imports this module
-            return cast_tensorwise(x, dtype, layout)
+            from milepost.core.quant import fp8_triton  # imports this module
+            if fp8_triton.fits(x):
+                return fp8_triton.cast_tensorwise(x, dtype, layout)
         return _compiled_quantize(dtype, dim, layout, recipe.eager_amax)(x)
     return quantize_t(x, dtype, dim, layout)
 

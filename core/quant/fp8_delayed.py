@@ -114,9 +114,9 @@ class AmaxHistory:
                 raise ValueError("delayed scaling is per tensor: Fp8Recipe(scaling='tensorwise', amax_history=N)")
             history = self.record(role, t)
             if recipe.compile_casts and t.is_cuda:
-                if recipe.cast_kernel == "triton" and not self.length & (self.length - 1):
-                    from milepost.core.quant.fp8_triton import cast_delayed  # imports fp8_cast
-                    return cast_delayed(t, dtype, history, layout)
+                from milepost.core.quant import fp8_triton  # imports fp8_cast
+                if recipe.cast_kernel == "triton" and not self.length & (self.length - 1) and fp8_triton.fits(t):
+                    return fp8_triton.cast_delayed(t, dtype, history, layout)
                 return _compiled_delayed(dtype, layout)(t, history)
             return quantize_delayed(t, dtype, history, layout)
         return delayed_cast

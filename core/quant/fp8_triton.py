@@ -31,6 +31,12 @@ from torch import Tensor
 from milepost.core.quant.fp8_cast import AMAX_FLOOR, Layout, tensor_amax
 
 BLOCK_M, BLOCK_K = 64, 128  # a tile: 16 KB of bf16 read, 8 + 8 KB of fp8 written
+MAX_ELEMENTS = 2**31 - 1  # the kernel's offsets are 32-bit; a larger tensor goes through inductor
+
+
+def fits(x: Tensor) -> bool:
+    """Whether the kernel can cast x (its offsets fit 32 bits)."""
+    return x.numel() <= MAX_ELEMENTS and x.dim() == 2 and x.stride(0) * x.shape[0] <= MAX_ELEMENTS
 
 
 @functools.cache
@@ -41,10 +47,10 @@ def _kernel() -> Any:
 
     @triton.jit
     def fp8_cast_tile(x_ptr, q_ptr, qt_ptr, amax_ptr, history_ptr, scale_inv_ptr, amax_out_ptr,
-                  M, K, stride_xm,
-                  FMAX: tl.constexpr, INV_FMAX: tl.constexpr, FLOOR: tl.constexpr, HISTORY: tl.constexpr,
-                  WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr, RECORD_AMAX: tl.constexpr,
-                  BM: tl.constexpr, BK: tl.constexpr):
+                      M, K, stride_xm,
+                      FMAX: tl.constexpr, INV_FMAX: tl.constexpr, FLOOR: tl.constexpr, HISTORY: tl.constexpr,
+                      WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr, RECORD_AMAX: tl.constexpr,
+                      BM: tl.constexpr, BK: tl.constexpr):
         pid_m, pid_k = tl.program_id(0), tl.program_id(1)
         if HISTORY > 0:  # delayed scaling: the largest of the layer's records
             amax = tl.max(tl.load(history_ptr + tl.arange(0, HISTORY)), axis=0)

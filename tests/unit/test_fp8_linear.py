@@ -303,3 +303,10 @@ def test_the_megatron_build_log_counts_each_bf16_fallback_reason_once() -> None:
                              "decoder.layers.0.mlp.linear_fc2": odd, "decoder.layers.1.mlp.linear_fc2": odd})
     assert layers.describe() == ("1 linear layer(s) through torch._scaled_mm, 3 in bf16 (2 layer(s): in_features 120 "
                                  "not a multiple of 16 (torch._scaled_mm); 1 layer(s): kept in bf16: the output layer)")
+
+
+def test_the_triton_cast_takes_what_its_32_bit_offsets_reach_and_imports_without_triton() -> None:
+    from milepost.core.quant.fp8_triton import fits  # Triton itself is imported only at a launch
+    assert fits(torch.empty(32768, 12288, device="meta"))
+    assert not fits(torch.empty(2**16, 2**15, device="meta"))  # 2**31 elements: inductor casts it
+    assert not fits(torch.empty(4, 8, 16, device="meta"))  # the kernel casts matrices
