@@ -15,7 +15,9 @@ batches, cycled, timing each step (synced):
   passes over ~1e9 activation/gradient elements per layer per micro-batch (estimate: 60-90 ms
   per step compiled, against the 0.15-0.2 s fp8 saves on 0.41 s of bf16 GEMMs), so which
   recipe clears 1.15x is a measurement. `rowwise-fast`, `tensorwise-fast` (fast accumulation in
-  the forward GEMM only: torchao's default for tensorwise), `rowwise-eager-casts`: on request.
+  the forward GEMM only: torchao's default for tensorwise), `rowwise-eager-casts`,
+  `tensorwise-fast-inductor` / `tensorwise-fast-delayed-inductor` (the per-tensor casts compiled
+  by inductor instead of the Triton kernel, core/quant/fp8_triton.py): on request.
 `--other-modes int4_qat,fp32`: those precision.train modes too, beside bf16 (issue 21's
 tokens/s per mode; int4_qat trains fake-quantised linears, in bf16 on a GPU), no target.
 Loss curve: every advantage +1, TIS off, engine logprobs 0, so each step maximises the
