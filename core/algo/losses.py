@@ -205,12 +205,17 @@ def rl_loss(
     return loss, floats_of(metrics)
 
 
+def scalars_read(tensors: list[Tensor]) -> list[float]:
+    """One-element tensors (any dtype, one device) -> floats, read back from the device in one copy."""
+    if not tensors:
+        return []
+    values: list[float] = torch.stack([t.detach().float().reshape(()) for t in tensors]).tolist()
+    return values
+
+
 def floats_of(metrics: dict[str, Tensor]) -> dict[str, float]:
     """0-dim metric tensors -> floats, read back from the device in one copy."""
-    if not metrics:
-        return {}
-    values = torch.stack([v.detach().float().reshape(()) for v in metrics.values()]).tolist()
-    return dict(zip(metrics, values))
+    return dict(zip(metrics, scalars_read(list(metrics.values()))))
 
 
 def rl_loss_on_device(

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from milepost.core.algo.losses import rl_loss_on_device
+from milepost.core.algo.losses import rl_loss_on_device, scalars_read
 from milepost.core.config import AlgoConfig
 from milepost.core.train.batch import collate, split_micro_batches
 from milepost.core.train.megatron.head import logprobs_and_entropy, response_logits
@@ -137,8 +137,7 @@ _GAP_TOKENS = "_gap_tokens"  # micro_batch_loss -> metrics_read: the gap metrics
 def metrics_read(per_micro: list[dict[str, Tensor | float]]) -> list[dict[str, float]]:
     """`micro_batch_loss`'s metrics of a schedule as floats, read back from the device in one copy
     (one wait for the GPU, after the schedule). A micro-batch without loss tokens reports no gap."""
-    tensors = [v for m in per_micro for v in m.values() if isinstance(v, Tensor)]
-    values = iter(torch.stack([t.detach().float().reshape(()) for t in tensors]).tolist() if tensors else [])
+    values = iter(scalars_read([v for m in per_micro for v in m.values() if isinstance(v, Tensor)]))
     out = []
     for m in per_micro:
         read = {k: next(values) if isinstance(v, Tensor) else float(v) for k, v in m.items()}
