@@ -88,16 +88,19 @@ elif [ "$call" = fp8 ]; then
   # tokens, 30 steps, profiled (comparable with runs 1-8); then micro-batch FP8_MB (default 8) on arithmetic
   # text, 50 steps, a new batch each step (the loss curve), with int4_qat beside it at micro-batch 4.
   # FP8_TESTS=0 / FP8_MB4=0 / FP8_INT4=0 leave those out; FP8_PROFILE=1 profiles the second run too;
-  # FP8_STEPS: its steps (default 50).
+  # FP8_STEPS: its steps (default 50); FP8_ARITH_RECIPES: its fp8 recipes (default tensorwise-fast;
+  # bench/fp8_training.py names, each with +edgeN); FP8_OTHER: its other modes instead of int4_qat
+  # (e.g. bf16@mb4, bf16's own noise floor).
   [ "${FP8_TESTS:-1}" != 0 ] && step gpu_tests 100 python3 -m pytest -q -m gpu tests/gpu/test_fp8_linear_gpu.py -s
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   [ "${FP8_MB4:-1}" != 0 ] && step fp8_mb4 200 python3 bench/fp8_training.py --variant fuse=1,mb=4 \
       --fp8-recipes tensorwise-fast --steps 30 --profile "$OUT/fp8_profile_mb4.txt" --out "$OUT/fp8_mb4.txt"
   mb=${FP8_MB:-8} more=()
-  [ "${FP8_INT4:-1}" != 0 ] && more+=(--other-modes int4_qat --other-mb 4 --other-steps 50)
+  if [ -n "${FP8_OTHER:-}" ]; then more+=(--other-modes "$FP8_OTHER" --other-steps 50)
+  elif [ "${FP8_INT4:-1}" != 0 ]; then more+=(--other-modes int4_qat --other-mb 4 --other-steps 50); fi
   [ -n "${FP8_PROFILE:-}" ] && more+=(--profile "$OUT/fp8_profile_mb$mb.txt")
   step "fp8_mb${mb}_arith" $(( $(left) - 5 )) python3 bench/fp8_training.py --variant "fuse=1,mb=$mb" \
-      --fp8-recipes tensorwise-fast --data arith --batches 50 --steps "${FP8_STEPS:-50}" "${more[@]}" --out "$OUT/fp8_mb${mb}_arith.txt"
+      --fp8-recipes "${FP8_ARITH_RECIPES:-tensorwise-fast}" --data arith --batches 50 --steps "${FP8_STEPS:-50}" "${more[@]}" --out "$OUT/fp8_mb${mb}_arith.txt"
 elif [ "$call" = pending ]; then
   # what was built and not yet timed on a GPU; now only a rerun of the Megatron checkpoint against a
   # raw write (~90 s with Ray's start; 12-07: bench/results/checkpoint_write_gpu.txt)

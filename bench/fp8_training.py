@@ -19,7 +19,10 @@ batches, cycled, timing each step (synced):
   `tensorwise-fast-inductor` / `tensorwise-fast-delayed-inductor` (the per-tensor casts compiled
   by inductor instead of the Triton kernel, core/quant/fp8_triton.py): on request.
 `--other-modes int4_qat,fp32`: those precision.train modes too, beside bf16 (issue 21's
-tokens/s per mode; int4_qat trains fake-quantised linears, in bf16 on a GPU), no target.
+tokens/s per mode; int4_qat trains fake-quantised linears, in bf16 on a GPU), no target;
+`bf16@mb4`: bf16 again at another micro-batch, the same training with another summation order
+(how far the NLL curve moves under rounding-level changes alone: the noise floor of the gap).
+`fp8[recipe+edgeN]`: that recipe with the first and last N transformer layers in bf16.
 Loss curve: every advantage +1, TIS off, engine logprobs 0, so each step maximises the
 responses' likelihood and `train/engine_logprob_absdiff_sum / loss tokens` is the batch's NLL
 before the step's update (as tests/integration/test_megatron_fp8.py). Data (`--data`): random
@@ -108,24 +111,38 @@ def nll_batches(count: int, args: argparse.Namespace, vocab: int) -> list[list[A
     return batches
 
 
+def parse_mode(name: str) -> tuple[str, dict[str, Any] | None, int, int]:
+    """A mode's name -> (precision.train, fp8 recipe fields or None, micro-batch override (0:
+    none), fp8_bf16_edge_layers). Names: 'bf16', 'int4_qat', 'fp32', 'fp8[recipe]', with
+    '+edgeN' inside the brackets (the first and last N transformer layers in bf16) and '@mbN'
+    after the name (that micro-batch: 'bf16@mb4' is bf16 again with another summation order,
+    how far the NLL curve moves under rounding-level changes alone)."""
+    name, _, mb = name.partition("@mb")
+    if not name.startswith("fp8["):
+        return name, None, int(mb or 0), 0
+    key, _, edges = name[4:-1].partition("+edge")
+    return "fp8", RECIPES[key], int(mb or 0), int(edges or 0)
+
+
 def run_mode(folder: str, name: str, batches: list[list[Any]], args: argparse.Namespace) -> dict[str, Any]:
-    """Train `args.steps` steps in mode `name` ('bf16', 'fp8[recipe]', or another precision.train
-    mode: 'int4_qat', 'fp32'): step times, NLL curve, peak memory, one synced phase split, and
-    how many linears ran in fp8."""
+    """Train `args.steps` steps in mode `name` (`parse_mode`): step times, NLL curve, peak
+    memory, one synced phase split, and how many linears ran in fp8."""
     from milepost.core.config import AlgoConfig
     from milepost.core.quant.fp8_cast import Fp8Recipe
-    recipe = Fp8Recipe(**RECIPES[name[4:-1]]) if name.startswith("fp8[") else None
+    precision, fields, mb, edges = parse_mode(name)
+    recipe = Fp8Recipe(**fields) if fields is not None else None
     mfu.reset_peak()
-    precision = "fp8" if recipe else name
     variant = mfu.parse_variant(args.variant)
     if name != "bf16" and not recipe and args.other_mb:
         variant["mb"] = args.other_mb
-    worker = mfu.megatron_worker(folder, variant, precision=precision,
-                                 algo=AlgoConfig(tis_cap=None), lr=args.lr, fp8_recipe=recipe)
+    if mb:
+        variant["mb"] = mb
+    worker = mfu.megatron_worker(folder, variant, precision=precision, algo=AlgoConfig(tis_cap=None), lr=args.lr,
+                                 fp8_recipe=recipe, megatron={"fp8_bf16_edge_layers": edges})
     try:
         fp8_layers = sum(type(m).__name__.startswith("Fp8") for c in worker.model for m in c.modules())
         times, nll = [], []
-        steps = args.steps if name == "bf16" or recipe else min(args.steps, args.other_steps)
+        steps = args.steps if precision == "bf16" or recipe else min(args.steps, args.other_steps)
         for i in range(steps):
             batch = batches[i % len(batches)]
             tokens = float(sum(sum(s.loss_mask) for s in batch))
@@ -194,7 +211,7 @@ def progress_gap(a: list[float], b: list[float]) -> float:
 
 def report(results: dict[str, dict[str, Any]], tokens: int, out: list[str]) -> dict[str, dict[str, float]]:
     """Table lines and the fp8 / bf16 ratios."""
-    mfu.log(out, f"{'mode':<24} {'s/step':>7} {'tok/s':>8} {'vs bf16':>8} {'max NLL gap':>12} {'learnt gap':>11} "
+    mfu.log(out, f"{'mode':<30} {'s/step':>7} {'tok/s':>8} {'vs bf16':>8} {'max NLL gap':>12} {'learnt gap':>11} "
                  f"{'peak GiB':>9} "
                  f"{'fp8 linears':>11}  NLL first -> last")
     ratios: dict[str, dict[str, float]] = {}
@@ -208,7 +225,7 @@ def report(results: dict[str, dict[str, Any]], tokens: int, out: list[str]) -> d
             if not name.startswith("fp8["):  # measured beside bf16; issue 21's bar is fp8's
                 ratios[name]["no_target"] = 1.0
         label = name if not base or r["micro_batch"] == base["micro_batch"] else f"{name} (mb={r['micro_batch']})"
-        mfu.log(out, f"{label:<24} {r['s_per_step']:7.3f} {tokens / r['s_per_step']:8.0f} {speed:7.3f}x "
+        mfu.log(out, f"{label:<30} {r['s_per_step']:7.3f} {tokens / r['s_per_step']:8.0f} {speed:7.3f}x "
                      f"{gap:11.2%} {learnt:11.2%} {r['peak_gib']:9.1f} {r['fp8_linear_layers']:11d}  "
                      f"{r['nll'][0]:.4f} -> {r['nll'][-1]:.4f}")
     for name, r in results.items():
@@ -237,7 +254,8 @@ def main() -> None:
     ap.add_argument("--fp8-recipes", default="rowwise,tensorwise,rowwise-gw-bf16",
                     help=f"comma-separated of {sorted(RECIPES)}")
     ap.add_argument("--other-modes", default="",
-                    help="comma-separated precision.train modes also trained beside bf16, after the fp8 ones "
+                    help="comma-separated precision.train modes also trained beside bf16, after the fp8 ones, "
+                         "each with @mbN for micro-batch N (bf16@mb4: bf16's own noise floor) "
                          "(int4_qat: fake-quantised linears, bf16 parameters on a GPU and fp32 on a CPU "
                          "(core/quant/modes.py int4_dtype); fp32)")
     ap.add_argument("--other-steps", type=int, default=10,
@@ -275,9 +293,11 @@ def main() -> None:
     batches = nll_batches(args.batches, args, cfg.vocab_size)
     results: dict[str, dict[str, Any]] = {}
     others = [m for m in args.other_modes.split(",") if m]
-    unknown = sorted(set(others) - {"int4_qat", "fp32"})
+    unknown = sorted({m for m in others if m.partition("@mb")[0] not in ("int4_qat", "fp32", "bf16")} |
+                     {r for r in args.fp8_recipes.split(",") if r and r.partition("+edge")[0] not in RECIPES})
     if unknown:
-        ap.error(f"--other-modes {unknown}: use int4_qat or fp32")
+        ap.error(f"{unknown}: --other-modes takes int4_qat, fp32 or bf16 (each with @mbN for another "
+                 f"micro-batch), --fp8-recipes {sorted(RECIPES)} (each with +edgeN)")
     modes = [f"fp8[{r}]" for r in args.fp8_recipes.split(",") if r] + others + ["bf16"]
     for name in modes if args.fp8_first else modes[-1:] + modes[:-1]:
         try:

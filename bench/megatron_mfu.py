@@ -198,9 +198,10 @@ def parse_variant(text: str) -> dict[str, Any]:
 
 
 def megatron_worker(path: str, variant: dict[str, Any], precision: str | None = None, algo: Any = None,
-                    lr: float = 1e-6, fp8_recipe: Any = None) -> Any:
+                    lr: float = 1e-6, fp8_recipe: Any = None, megatron: dict[str, Any] | None = None) -> Any:
     """A world-size-1 MegatronRankWorker in this process, set up. `precision` None: bf16 on a GPU,
-    fp32 on CPU; `algo` None: AlgoConfig(); `fp8_recipe` for precision fp8 (bench/fp8_training.py)."""
+    fp32 on CPU; `algo` None: AlgoConfig(); `fp8_recipe` for precision fp8 (bench/fp8_training.py);
+    `megatron`: more train.megatron settings."""
     if "ray" not in sys.modules:
         try:
             import ray  # noqa: F401
@@ -212,7 +213,7 @@ def megatron_worker(path: str, variant: dict[str, Any], precision: str | None = 
         precision = "bf16" if DEVICE == "cuda" else "fp32"  # megatron's bf16 optimizer needs CUDA
     cfg = TrainConfig(backend="megatron", num_ranks=1, micro_batch_size=variant["mb"], lr=lr,
                       megatron={"pack_sequences": variant["pack"] > 0, "micro_batch_tokens": max(1, variant["pack"]),
-                                "fuse": variant["fuse"]})
+                                "fuse": variant["fuse"]} | (megatron or {}))
     w = MegatronRankWorker(0, 1, path, cfg, algo or AlgoConfig(), temperature=1.0, seed=0, total_steps=None,
                            precision=precision, fp8_recipe=fp8_recipe)
     w.setup(w.free_port())

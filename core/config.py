@@ -321,7 +321,8 @@ class HooksConfig(Section):
     on_block_end: tuple[str, ...] = Field((), description="fn(block, context): the block's steps are done.")
 
 
-Fp8RecipeName = Literal["rowwise", "rowwise-gw-bf16", "tensorwise", "tensorwise-fast", "tensorwise-fast-delayed"]
+Fp8RecipeName = Literal["rowwise", "rowwise-gw-bf16", "tensorwise", "tensorwise-fast", "tensorwise-fast-delayed",
+                        "tensorwise-fast-e4m3"]
 
 
 class MegatronConfig(Section):
@@ -348,7 +349,12 @@ class MegatronConfig(Section):
         "RECIPES). rowwise: a scale per token / feature, e4m3 gradients; rowwise-gw-bf16: the weight gradient "
         "in bf16; tensorwise: one scale per tensor, e5m2 gradients; tensorwise-fast: and fast accumulation in "
         "the forward GEMM (the fastest measured: 1.01x bf16 on an H100 at the Qwen3-1.7B shape); "
-        "tensorwise-fast-delayed: and delayed scaling (amax history 16; not yet measured on a GPU).")
+        "tensorwise-fast-delayed: and delayed scaling (amax history 16; not yet measured on a GPU); "
+        "tensorwise-fast-e4m3: tensorwise-fast with e4m3 gradients (half e5m2's rounding step).")
+    fp8_bf16_edge_layers: int = Field(
+        0, ge=0, description="precision.train fp8: keep the linears of the first and of the last this many "
+        "transformer layers in bf16 (where a model's loss is most sensitive to rounding; each layer kept costs "
+        "its share of fp8's speed-up).")
 
 
 class LoraConfig(Section):

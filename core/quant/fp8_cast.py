@@ -42,7 +42,10 @@ class Fp8Recipe:
     `cast_kernel`: how a compiled per-tensor cast runs on CUDA: "triton", one kernel launched
     directly (core/quant/fp8_triton.py: a fraction of a compiled call's host time, one read of
     the tensor for both layouts), or "inductor", `quantize_t` through torch.compile (kept so the
-    bench measures both side by side). Rowwise casts always go through inductor."""
+    bench measures both side by side). Rowwise casts always go through inductor.
+    `e4m3_gradients`: tensorwise only, gradients in e4m3 (3 mantissa bits, range 2**-9..448
+    of the tensor's amax) instead of e5m2 (2 bits, a wider range): half the rounding step, at
+    the risk of flushing a gradient's smallest values to zero (rowwise always uses e4m3)."""
 
     scaling: Literal["rowwise", "tensorwise"] = "rowwise"
     wgrad_fp8: bool = True
@@ -51,6 +54,7 @@ class Fp8Recipe:
     eager_amax: bool = True
     amax_history: int = 0
     cast_kernel: Literal["triton", "inductor"] = "triton"
+    e4m3_gradients: bool = False
 
     def __post_init__(self) -> None:
         if self.amax_history < 0 or (self.amax_history and self.scaling != "tensorwise"):
@@ -59,7 +63,7 @@ class Fp8Recipe:
 
     @property
     def grad_dtype(self) -> torch.dtype:
-        return E4M3 if self.scaling == "rowwise" else E5M2
+        return E4M3 if self.scaling == "rowwise" or self.e4m3_gradients else E5M2
 
     def describe(self) -> str:
         grad = "e4m3" if self.grad_dtype == E4M3 else "e5m2"

@@ -25,7 +25,7 @@ from milepost.core.quant.fp8_linear import ALIGN, forward_gemm, fp8_linear, fp8_
 
 REL = {E4M3: 2.0**-4, E5M2: 2.0**-3}
 HALF_SUBNORMAL = {E4M3: 2.0**-10, E5M2: 2.0**-17}
-RECIPES = [Fp8Recipe(), Fp8Recipe("tensorwise"), Fp8Recipe(wgrad_fp8=False)]
+RECIPES = [Fp8Recipe(), Fp8Recipe("tensorwise"), Fp8Recipe(wgrad_fp8=False), Fp8Recipe("tensorwise", e4m3_gradients=True)]
 
 
 def _inputs(m: int = 37, k: int = 64, n: int = 48, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -97,14 +97,17 @@ def test_typical_relative_errors_are_a_few_percent_and_e4m3_gradients_beat_e5m2(
         return float((a.detach().double() - r).norm() / r.norm())
 
     errs = {}
-    for recipe in RECIPES[:2]:
+    for name, recipe in (("rowwise", RECIPES[0]), ("tensorwise", RECIPES[1]), ("tensorwise-e4m3", RECIPES[3])):
         xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
         y = fp8_linear(xg, wg, b, recipe)
         y.backward(grad)
-        errs[recipe.scaling] = (rel(y, yr), rel(xg.grad, gxr), rel(wg.grad, gwr))
+        errs[name] = (rel(y, yr), rel(xg.grad, gxr), rel(wg.grad, gwr))
     assert all(e < 0.04 for e in errs["rowwise"]), errs
     assert all(e < 0.07 for e in errs["tensorwise"]), errs
     assert errs["rowwise"][1] < errs["tensorwise"][1] and errs["rowwise"][2] < errs["tensorwise"][2], errs
+    # e4m3 gradients under one scale a tensor: the forward unchanged, both gradients closer
+    assert errs["tensorwise-e4m3"][0] == errs["tensorwise"][0], errs
+    assert all(errs["tensorwise-e4m3"][i] < errs["tensorwise"][i] for i in (1, 2)), errs
 
 
 def test_quantize_scales_each_row_column_or_tensor_to_the_format_max() -> None:

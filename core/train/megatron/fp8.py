@@ -38,6 +38,7 @@ RECIPES: dict[str, Fp8Recipe] = {
     "tensorwise": Fp8Recipe("tensorwise"),
     "tensorwise-fast": Fp8Recipe("tensorwise", fast_accum=True),
     "tensorwise-fast-delayed": Fp8Recipe("tensorwise", fast_accum=True, amax_history=16),
+    "tensorwise-fast-e4m3": Fp8Recipe("tensorwise", fast_accum=True, e4m3_gradients=True),
 }
 
 
@@ -80,17 +81,38 @@ def fp8_classes() -> dict[type, type]:
             for base in (ColumnParallelLinear, RowParallelLinear)}
 
 
-def attach_fp8(chunks: list[Any], recipe: Fp8Recipe) -> Fp8Layers:
+def _edge_layer_prefixes(chunk: Any, edge_layers: int) -> list[str]:
+    """Module-name prefixes ("decoder.layers.3.") of the chunk's transformer layers among the
+    first or last `edge_layers` of the whole model (megatron's global, 1-based `layer_number`,
+    so pipeline stages agree on which layers those are)."""
+    if edge_layers <= 0:
+        return []
+    prefixes = []
+    for name, module in chunk.named_modules():
+        if not (hasattr(module, "mlp") and isinstance(getattr(module, "layer_number", None), int)):
+            continue  # not a TransformerLayer
+        number, total = module.layer_number, module.config.num_layers
+        if number <= edge_layers or number > total - edge_layers:
+            prefixes.append(name + ".")
+    return prefixes
+
+
+def attach_fp8(chunks: list[Any], recipe: Fp8Recipe, bf16_edge_layers: int = 0) -> Fp8Layers:
     """Turn the transformer linears of every model chunk into their fp8 class, in place (before
-    DDP wraps them). Returns which layers went fp8 and which stay bf16, and why."""
+    DDP wraps them). Returns which layers went fp8 and which stay bf16, and why.
+    `bf16_edge_layers`: the first and the last that many transformer layers stay bf16
+    (train.megatron.fp8_bf16_edge_layers; Transformer Engine's `first_last_layers_bf16`)."""
     classes = fp8_classes()
     done = Fp8Layers()
     for i, chunk in enumerate(chunks):
+        edges = _edge_layer_prefixes(chunk, bf16_edge_layers)
         for name, module in chunk.named_modules():
             if type(module) not in classes:
                 continue
             label = f"chunk{i}.{name}" if len(chunks) > 1 else name
             problem = ("kept in bf16: the output layer" if name.rsplit(".", 1)[-1] in KEEP_BF16
+                       else f"kept in bf16: one of the first / last {bf16_edge_layers} transformer layers"
+                       if any(name.startswith(p) for p in edges)
                        else fp8_shape_problem(*module.weight.shape))
             if problem is not None:
                 done.bf16[label] = problem

@@ -261,7 +261,7 @@ class MegatronRankWorker(SenderRank):
         """precision.train fp8: the transformer linears' GEMMs through torch._scaled_mm; one log
         line per rank-0 build (the layers in fp8, the bf16 fallbacks counted by reason)."""
         from milepost.core.train.megatron.fp8 import attach_fp8
-        layers = attach_fp8(chunks, self.fp8_recipe)
+        layers = attach_fp8(chunks, self.fp8_recipe, self.cfg.megatron.fp8_bf16_edge_layers)
         if self.rank == 0 and not getattr(self, "_fp8_logged", False):
             self._fp8_logged = True
             emulated = (" — on CPU torch._scaled_mm is emulated (no FP8 hardware) and slow: this runs the GPU's "
