@@ -16,6 +16,8 @@ Rules, and the code that keeps them:
   current scaling does (a zero or arbitrary start would clip or waste range on the first step).
 - A value above the scale's amax saturates at the format's largest value: the clamp is part of
   every delayed cast, where current scaling could not overflow.
+- Each operand's records live in a ring (`AmaxHistory`'s docstring), so a cast on CUDA is one
+  Triton launch: no roll of the records after it.
 - Histories are part of the train state: the megatron worker writes them with each checkpoint
   (`fp8_rank<r>.pt`, core/train/megatron/fp8.py `amax_histories`) and puts them back on a resume,
   so a resumed run casts, and trains, bit for bit as the run that went on. A checkpoint without
@@ -74,36 +76,63 @@ def _compiled_delayed(dtype: torch.dtype, layout: Layout) -> Callable[[Tensor, T
 
 
 class AmaxHistory:
-    """One fp8 layer's amax records (the rules in this module's docstring)."""
+    """One fp8 layer's amax records (the rules in this module's docstring).
+
+    Kept per operand as a ring of N + 2 float32 slots and a count of its casts c: the records of
+    casts c-1 .. c-N sit in slots (c-1) % R .. (c-N) % R (R = N + 2); the slot c % R is zero and
+    takes cast c's amax; the slot (c+1) % R holds the record leaving and is zeroed by cast c.
+    Why two spare slots: the Triton cast (core/quant/fp8_triton.py) reads the records, writes
+    its own amax and retires the oldest in one launch, its programs running in any order, so
+    the slot written and the slot cleared must be ones no program reads. `records` and
+    `state()` give the records newest first, as `quantize_delayed` takes them."""
 
     def __init__(self, length: int) -> None:
         if length < 1:
             raise ValueError(f"an amax history needs at least 1 record, got {length}")
         self.length = length
-        self.records: dict[Role, Tensor] = {}
+        self._rings: dict[Role, Tensor] = {}
+        self._casts: dict[Role, int] = {}
 
-    def record(self, role: Role, x: Tensor) -> Tensor:
-        """`role`'s records, started from x's own amax at the operand's first cast."""
-        history = self.records.get(role)
-        if history is None or history.device != x.device:
-            history = torch.zeros(self.length, dtype=torch.float32, device=x.device)
-            history[0] = tensor_amax(x).float()
-            self.records[role] = history
-        return history
+    def _ring(self, role: Role, x: Tensor) -> Tensor:
+        """`role`'s ring, started from x's own amax at the operand's first cast (as a cast that
+        recorded it: c = 1, slot 0)."""
+        ring = self._rings.get(role)
+        if ring is None or ring.device != x.device:
+            ring = torch.zeros(self.length + 2, dtype=torch.float32, device=x.device)
+            ring[0] = tensor_amax(x).float()
+            self._rings[role], self._casts[role] = ring, 1
+        return ring
+
+    def _newest_first(self, role: Role) -> Tensor:
+        """The N records of `role`, newest first: [N] float32, a copy."""
+        ring, c, size = self._rings[role], self._casts[role], self.length + 2
+        order = torch.tensor([(c - 1 - i) % size for i in range(self.length)], device=ring.device)
+        return ring[order]
+
+    @property
+    def records(self) -> dict[Role, Tensor]:
+        """Each operand's records, newest first ([N] float32 copies); empty before any cast."""
+        return {role: self._newest_first(role) for role in self._rings}
+
+    def clear(self) -> None:
+        """Forget every record (the next cast of each operand starts them again)."""
+        self._rings, self._casts = {}, {}
 
     def state(self) -> dict[str, Tensor]:
-        """The records, by operand, copied to the CPU (for a checkpoint)."""
+        """The records, by operand, newest first, copied to the CPU (for a checkpoint)."""
         return {role: t.detach().cpu().clone() for role, t in self.records.items()}
 
     def load_state(self, state: dict[str, Tensor], device: torch.device) -> None:
         """Records saved by `state()`, on `device`; ValueError when their length is not this history's."""
-        records: dict[Role, Tensor] = {}
+        rings: dict[Role, Tensor] = {}
         for role, t in state.items():
             if role not in ("x", "g") or t.shape != (self.length,):
                 raise ValueError(f"amax records {role!r} of shape {tuple(t.shape)} do not fit a history of "
                                  f"{self.length}")
-            records["x" if role == "x" else "g"] = t.to(device=device, dtype=torch.float32)
-        self.records = records
+            ring = torch.zeros(self.length + 2, dtype=torch.float32, device=device)
+            ring[:self.length] = t.to(device=device, dtype=torch.float32).flip(0)  # c = N: newest in slot N-1
+            rings["x" if role == "x" else "g"] = ring
+        self._rings, self._casts = rings, dict.fromkeys(rings, self.length)
 
     def caster(self, role: Role) -> Callable[..., tuple[Tensor, ...]]:
         """A cast with `fp8_cast.cast`'s signature that scales `role`'s operand from these
@@ -112,11 +141,20 @@ class AmaxHistory:
                          layout: Layout = "row") -> tuple[Tensor, ...]:
             if dim is not None:
                 raise ValueError("delayed scaling is per tensor: Fp8Recipe(scaling='tensorwise', amax_history=N)")
-            history = self.record(role, t)
-            if recipe.compile_casts and t.is_cuda:
+            ring = self._ring(role, t)
+            c, size = self._casts[role], self.length + 2
+            write_slot, clear_slot = c % size, (c + 1) % size
+            if recipe.compile_casts and t.is_cuda and recipe.cast_kernel == "triton":
                 from milepost.core.quant import fp8_triton  # imports fp8_cast
-                if recipe.cast_kernel == "triton" and not self.length & (self.length - 1) and fp8_triton.fits(t):
-                    return fp8_triton.cast_delayed(t, dtype, history, layout)
-                return _compiled_delayed(dtype, layout)(t, history)
-            return quantize_delayed(t, dtype, history, layout)
+                if fp8_triton.fits(t):
+                    self._casts[role] = c + 1
+                    return fp8_triton.cast_delayed(t, dtype, ring, write_slot, clear_slot, layout)
+            # eager (CPU) or inductor: on the records newest first, the new one written back to the ring
+            history = self._newest_first(role)
+            out = (_compiled_delayed(dtype, layout)(t, history) if recipe.compile_casts and t.is_cuda
+                   else quantize_delayed(t, dtype, history, layout))
+            ring[write_slot] = history[0]
+            ring[clear_slot] = 0.0
+            self._casts[role] = c + 1
+            return out
         return delayed_cast

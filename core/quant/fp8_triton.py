@@ -17,7 +17,8 @@ scale_inv = amax * fp32(1 / fmax) (CUDA's `amax / fmax` by a Python number multi
 number's float32 reciprocal; 1 / 448 is not exact, so a division would differ in the last
 bit). tests/gpu/test_fp8_linear_gpu.py checks bit equality with the eager cast. Delayed
 scaling (`amax_history`): the scale comes from the layer's records and the kernel records x's
-own amax in the same pass (an atomic max over the tiles' amaxes).
+own amax in the same pass (an atomic max over the tiles' amaxes), so a delayed cast is one
+launch and one read of x, where current scaling needs an amax pass first.
 """
 
 from __future__ import annotations
@@ -45,21 +46,25 @@ def _kernel() -> Any:
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def fp8_cast_tile(x_ptr, q_ptr, qt_ptr, amax_ptr, history_ptr, scale_inv_ptr, amax_out_ptr,
+    @triton.jit(do_not_specialize=["write_slot", "clear_slot"])
+    def fp8_cast_tile(x_ptr, q_ptr, qt_ptr, amax_ptr, ring_ptr, scale_inv_ptr, write_slot, clear_slot,
                       M, K, stride_xm,
-                      FMAX: tl.constexpr, INV_FMAX: tl.constexpr, FLOOR: tl.constexpr, HISTORY: tl.constexpr,
-                      WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr, RECORD_AMAX: tl.constexpr,
+                      FMAX: tl.constexpr, INV_FMAX: tl.constexpr, FLOOR: tl.constexpr, RING: tl.constexpr,
+                      RING_P2: tl.constexpr, WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr,
                       BM: tl.constexpr, BK: tl.constexpr):
         pid_m, pid_k = tl.program_id(0), tl.program_id(1)
-        if HISTORY > 0:  # delayed scaling: the largest of the layer's records
-            amax = tl.max(tl.load(history_ptr + tl.arange(0, HISTORY)), axis=0)
+        if RING > 0:  # delayed scaling: the largest of the operand's records (all slots but the two in use)
+            slots = tl.arange(0, RING_P2)
+            kept = (slots < RING) & (slots != write_slot) & (slots != clear_slot)
+            amax = tl.max(tl.load(ring_ptr + slots, mask=kept, other=0.0), axis=0)
         else:
             amax = tl.load(amax_ptr).to(tl.float32)
         amax = tl.maximum(amax, FLOOR)
         scale = tl.math.div_rn(1.0, amax) * FMAX
         if (pid_m == 0) & (pid_k == 0):
             tl.store(scale_inv_ptr, amax * INV_FMAX)
+            if RING > 0:  # the oldest record leaves; its slot, read by no program here, is the next write's
+                tl.store(ring_ptr + clear_slot, 0.0)
         rm = pid_m * BM + tl.arange(0, BM)
         rk = pid_k * BK + tl.arange(0, BK)
         mask = (rm[:, None] < M) & (rk[None, :] < K)
@@ -69,15 +74,16 @@ def _kernel() -> Any:
             tl.store(q_ptr + rm[:, None] * K + rk[None, :], q, mask=mask)
         if WRITE_QT:
             tl.store(qt_ptr + rk[:, None] * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
-        if RECORD_AMAX:  # amax >= 0: atomic max over the tiles
-            tl.atomic_max(amax_out_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+        if RING > 0:  # x's own amax into the write slot (zeroed by the launch before): atomic max over tiles
+            tl.atomic_max(ring_ptr + write_slot, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
 
     return fp8_cast_tile
 
 
-def _launch(x: Tensor, dtype: torch.dtype, layout: Layout, amax: Tensor | None, history: Tensor | None,
-            record: Tensor | None) -> tuple[Tensor, ...]:
-    """One launch of the kernel over x: [M, K] (unit inner stride) -> `quantize_t`'s outputs."""
+def _launch(x: Tensor, dtype: torch.dtype, layout: Layout, amax: Tensor | None,
+            ring: tuple[Tensor, int, int] | None) -> tuple[Tensor, ...]:
+    """One launch of the kernel over x: [M, K] (unit inner stride) -> `quantize_t`'s outputs.
+    Current scaling by `amax`, or delayed by `ring` (records, write slot, clear slot)."""
     if x.dim() != 2:
         raise ValueError(f"the triton fp8 cast takes a 2-D tensor, got shape {tuple(x.shape)}")
     if x.stride(1) != 1:
@@ -86,16 +92,15 @@ def _launch(x: Tensor, dtype: torch.dtype, layout: Layout, amax: Tensor | None, 
     q = torch.empty((m, k), dtype=dtype, device=x.device) if layout != "col" else None
     q_t = torch.empty((k, m), dtype=dtype, device=x.device) if layout != "row" else None
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
-    dummy = scale_inv  # pointers a variant does not read or write
+    records, write_slot, clear_slot = ring if ring is not None else (scale_inv, 0, 0)  # unread without a ring
+    size = records.numel() if ring is not None else 0
     fmax, inv_fmax = _limits(dtype)
     grid = (-(-m // BLOCK_M), -(-k // BLOCK_K))
     _kernel()[grid](
         x, q if q is not None else q_t, q_t if q_t is not None else q,
-        amax if amax is not None else dummy, history if history is not None else dummy, scale_inv,
-        record if record is not None else dummy, m, k, x.stride(0),
-        FMAX=fmax, INV_FMAX=inv_fmax, FLOOR=AMAX_FLOOR, HISTORY=0 if history is None else history.numel(),
-        WRITE_Q=q is not None, WRITE_QT=q_t is not None, RECORD_AMAX=record is not None,
-        BM=BLOCK_M, BK=BLOCK_K, num_warps=4)
+        amax if amax is not None else scale_inv, records, scale_inv, write_slot, clear_slot, m, k, x.stride(0),
+        FMAX=fmax, INV_FMAX=inv_fmax, FLOOR=AMAX_FLOOR, RING=size, RING_P2=max(2, 1 << (size - 1).bit_length()),
+        WRITE_Q=q is not None, WRITE_QT=q_t is not None, BM=BLOCK_M, BK=BLOCK_K, num_warps=4)
     if layout == "row":
         return q, scale_inv  # type: ignore[return-value]
     if layout == "col":
@@ -113,16 +118,13 @@ def _limits(dtype: torch.dtype) -> tuple[float, float]:
 def cast_tensorwise(x: Tensor, dtype: torch.dtype, layout: Layout = "row") -> tuple[Tensor, ...]:
     """`fp8_cast.quantize_t(x, dtype, None, layout)` on CUDA: current scaling, x's amax by one
     eager reduction (`tensor_amax`), then one kernel pass for the cast in `layout`."""
-    return _launch(x, dtype, layout, tensor_amax(x), None, None)
+    return _launch(x, dtype, layout, tensor_amax(x), None)
 
 
-def cast_delayed(x: Tensor, dtype: torch.dtype, history: Tensor, layout: Layout = "row") -> tuple[Tensor, ...]:
-    """`fp8_delayed.quantize_delayed` on CUDA: scaled by max(history) (float32 [N], N a power
-    of two), x's own amax recorded in `history` (newest first, the oldest dropped)."""
-    if history.numel() & (history.numel() - 1):
-        raise ValueError(f"the triton delayed cast needs an amax history of a power-of-two length, got "
-                         f"{history.numel()}")
-    record = torch.zeros(1, dtype=torch.float32, device=x.device)
-    out = _launch(x, dtype, layout, None, history, record)
-    history.copy_(torch.cat([record, history[:-1]]))  # after the kernel read it (same stream)
-    return out
+def cast_delayed(x: Tensor, dtype: torch.dtype, ring: Tensor, write_slot: int, clear_slot: int,
+                 layout: Layout = "row") -> tuple[Tensor, ...]:
+    """Delayed scaling's cast on CUDA (`fp8_delayed.AmaxHistory` keeps the records as a ring):
+    scaled by the largest record in `ring` (float32, every slot but the two named), x's own amax
+    recorded in `write_slot` (zero before), `clear_slot` zeroed for the next cast. One launch,
+    nothing else: no amax pass before the cast, no roll of the records after it."""
+    return _launch(x, dtype, layout, None, (ring, write_slot, clear_slot))

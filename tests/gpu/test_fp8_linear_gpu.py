@@ -84,15 +84,17 @@ def test_triton_cast_equals_the_eager_cast_bit_for_bit(shape: tuple[int, int]) -
 
 
 def test_triton_delayed_cast_equals_the_eager_delayed_cast() -> None:
-    from milepost.core.quant.fp8_delayed import quantize_delayed
-    from milepost.core.quant.fp8_triton import cast_delayed
-    history = torch.rand(16, device="cuda") * 4
-    mine, theirs = history.clone(), history.clone()
-    for step in range(3):  # the records roll: each cast scales from the last ones
-        x = torch.randn(3001, 520, device="cuda", dtype=torch.bfloat16) * (step + 1)
-        got, want = cast_delayed(x, E5M2, mine, "both"), quantize_delayed(x, E5M2, theirs, "both")
-        assert all(torch.equal(a, b) for a, b in zip(_bytes(got), _bytes(want))), step
-        assert torch.equal(mine, theirs), step
+    from milepost.core.quant.fp8_delayed import AmaxHistory
+    for length in (16, 5):  # the built-in recipe's, and one that is not a power of two
+        mine, theirs = AmaxHistory(length), AmaxHistory(length)
+        triton_cast = Fp8Recipe("tensorwise", amax_history=length)
+        eager_cast = replace(triton_cast, compile_casts=False)
+        for step in range(length + 4):  # past a whole turn of the ring; the amax rises and falls
+            x = torch.randn(3001, 520, device="cuda", dtype=torch.bfloat16) * (step % 4 + 1)
+            got = mine.caster("g")(x, E5M2, None, triton_cast, "both")
+            want = theirs.caster("g")(x, E5M2, None, eager_cast, "both")
+            assert all(torch.equal(a, b) for a, b in zip(_bytes(got), _bytes(want))), (length, step)
+            assert torch.equal(mine.records["g"], theirs.records["g"]), (length, step)
 
 
 def test_inductor_and_triton_cast_kernels_give_the_same_linear() -> None:

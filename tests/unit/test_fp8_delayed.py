@@ -105,3 +105,21 @@ def test_a_history_saved_and_loaded_casts_as_the_one_that_went_on() -> None:
     assert torch.equal(went_on.records["x"], loaded.records["x"])
     with pytest.raises(ValueError, match="do not fit a history of 8"):
         AmaxHistory(8).load_state(went_on.state(), torch.device("cpu"))
+
+
+def test_the_records_stay_newest_first_through_many_turns_of_the_ring() -> None:
+    """AmaxHistory keeps each operand's records in a ring of N + 2 slots: after any number of
+    casts its records are the last N amaxes, newest first, and scale each cast by their max."""
+    history, recipe = AmaxHistory(3), Fp8Recipe("tensorwise", amax_history=3)
+    cast, seen = history.caster("x"), []
+    for i in range(11):
+        x = _x(scale=float(1 + (i * 7) % 5), seed=i)
+        amax = x.abs().amax().float().item()
+        _, s = cast(x, E4M3, None, recipe)
+        expected_amax = max(seen[-3:]) if seen else amax
+        assert s.item() == pytest.approx(expected_amax / torch.finfo(E4M3).max, rel=1e-6), i
+        seen += [amax, amax] if not seen else [amax]  # the first cast starts the records from its amax, then records it
+        assert history.records["x"].tolist() == (seen[::-1] + [0.0] * 3)[:3], i
+    loaded = AmaxHistory(3)
+    loaded.load_state(history.state(), torch.device("cpu"))
+    assert torch.equal(loaded.records["x"], history.records["x"])

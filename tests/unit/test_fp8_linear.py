@@ -25,7 +25,8 @@ from milepost.core.quant.fp8_linear import ALIGN, forward_gemm, fp8_linear, fp8_
 
 REL = {E4M3: 2.0**-4, E5M2: 2.0**-3}
 HALF_SUBNORMAL = {E4M3: 2.0**-10, E5M2: 2.0**-17}
-RECIPES = [Fp8Recipe(), Fp8Recipe("tensorwise"), Fp8Recipe(wgrad_fp8=False), Fp8Recipe("tensorwise", e4m3_gradients=True)]
+RECIPES = [Fp8Recipe(), Fp8Recipe("tensorwise"), Fp8Recipe(wgrad_fp8=False),
+           Fp8Recipe("tensorwise", e4m3_gradients=True)]
 
 
 def _inputs(m: int = 37, k: int = 64, n: int = 48, seed: int = 0) -> tuple[torch.Tensor, ...]:

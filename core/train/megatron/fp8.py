@@ -150,6 +150,6 @@ def restore_amax_histories(chunks: list[Any], saved: dict[str, dict[str, torch.T
             layers[name].fp8_history.load_state(state, layers[name].weight.device)
     except ValueError as exc:
         for layer in layers.values():
-            layer.fp8_history.records = {}
+            layer.fp8_history.clear()
         return str(exc)
     return None
