@@ -209,6 +209,20 @@ def progress_gap(a: list[float], b: list[float]) -> float:
     return max(abs((x - a[0]) - (y - b[0])) for x, y in zip(a, b)) / learnt
 
 
+def gap_profile(a: list[float], b: list[float], window: int = 5) -> str:
+    """How a's NLL curve departs from b's, step by step: the rms of the relative gap, the steps
+    beyond issue 21's 2 %, and the largest gap of the `window`-step means (a curve read as
+    a plot reads it, not point by point)."""
+    gaps = [(x - y) / abs(y) for x, y in zip(a, b)]
+    def means(c: list[float]) -> list[float]:
+        return [sum(c[max(0, i - window + 1):i + 1]) / len(c[max(0, i - window + 1):i + 1]) for i in range(len(c))]
+    smooth = max(abs(x - y) / abs(y) for x, y in zip(means(a), means(b)))
+    rms = (sum(g * g for g in gaps) / len(gaps)) ** 0.5
+    beyond = sum(abs(g) > TARGET_GAP for g in gaps)
+    return (f"per-step NLL gap rms {rms:.2%}, {beyond} of {len(gaps)} steps beyond {TARGET_GAP:.0%}, "
+            f"largest gap of the {window}-step means {smooth:.2%}")
+
+
 def report(results: dict[str, dict[str, Any]], tokens: int, out: list[str]) -> dict[str, dict[str, float]]:
     """Table lines and the fp8 / bf16 ratios."""
     mfu.log(out, f"{'mode':<30} {'s/step':>7} {'tok/s':>8} {'vs bf16':>8} {'max NLL gap':>12} {'learnt gap':>11} "
@@ -230,6 +244,9 @@ def report(results: dict[str, dict[str, Any]], tokens: int, out: list[str]) -> d
                      f"{r['nll'][0]:.4f} -> {r['nll'][-1]:.4f}")
     for name, r in results.items():
         mfu.log(out, f"{name} phases (synced): " + ", ".join(f"{k} {v:.3f}s" for k, v in r["phases"].items()))
+    for name, r in results.items():
+        if base and name != "bf16":
+            mfu.log(out, f"{name}: {gap_profile(r['nll'], base['nll'])}")
     for name, q in ratios.items():
         if q.get("no_target"):
             mfu.log(out, f"{name}: {q['throughput_vs_bf16']:.3f}x bf16 step throughput, max NLL gap "

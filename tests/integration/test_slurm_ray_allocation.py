@@ -135,12 +135,16 @@ def test_an_allocation_whose_driver_was_killed_stops_itself_after_the_grace(dev_
     driver = subprocess.Popen([sys.executable, "-c", LEASE_HOLDER, str(campaign)], stdout=subprocess.PIPE, text=True)
     assert driver.stdout is not None and driver.stdout.readline().strip() == "held"
     grace_s = 6
+    # armed, as tasks/ray_cluster.py submits it when a live run holds the lease: the watch counts
+    # a dead lease from its start. Unarmed, it must first see the live lease in the 12 s before
+    # the kill; one CI run under load (12-07) kept the allocation past the 180 s guard, which a
+    # watch started late would explain (that log was lost: a timeout now shows it).
     spec = RayAllocationSpec(
         job_name="mp-ray-orphan", options=SlurmOptions(nodes=2, time_min=10, mem_gb=1),
         ports=free_slot(), log_dir=str(tmp_path),
         address_file=str(tmp_path / "ray-address"), python=sys.executable, join_timeout_s=120,
         ray_temp_root=ray_temp_root, campaign_url=str(campaign), orphan_grace_s=grace_s,
-        env=campaign_token_env(campaign))
+        watch_armed=True, env=campaign_token_env(campaign))
     script = tmp_path / "ray.sbatch"
     script.write_text(render_ray_allocation(spec))
     job_id = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True,
@@ -156,7 +160,10 @@ def test_an_allocation_whose_driver_was_killed_stops_itself_after_the_grace(dev_
         assert not asyncio.run(poller.poll()).outcome.terminal, err_log.read_text()[-3000:]
         driver.kill()
         driver.wait()
-        state = asyncio.run(poller.wait())
+        try:
+            state = asyncio.run(poller.wait())
+        except TimeoutError as e:
+            pytest.fail(f"{e}\nthe allocation's log:\n{err_log.read_text()[-3000:]}")
     finally:
         driver.kill()
         subprocess.run(["scancel", job_id], check=False)
