@@ -157,6 +157,8 @@ def run_mode(folder: str, name: str, batches: list[list[Any]], args: argparse.Na
         phases = mfu.phase_times(worker, one_step)
         # one more step under the profiler: how busy the GPU is, and on what (is fp8 host-bound?)
         profile = mfu.profile_step(one_step, Path(args.profile), name) if args.profile else []
+        if args.profile and mfu.DEVICE == "cuda":  # and where the step makes the host wait for the GPU
+            profile += mfu.sync_sites(one_step, Path(args.profile), name)
         timed = times[args.warmup:] or times
         return {"recipe": asdict(recipe) if recipe else None, "fp8_linear_layers": fp8_layers,
                 "micro_batch": variant["mb"], "s_per_step": sum(timed) / len(timed), "step_times": times, "nll": nll,

@@ -295,6 +295,37 @@ def profile_step(step: Callable[[], None], path: Path, title: str) -> list[str]:
     return lines
 
 
+def sync_sites(step: Callable[[], None], path: Path, title: str) -> list[str]:
+    """One step under torch.cuda.set_sync_debug_mode("warn"): every call that makes the host wait
+    for the GPU (.item(), a copy to the CPU, nonzero, ...), counted by where it is called from
+    (the innermost frames; appended to path). Why: each one drains the GPU's queue, and a step
+    whose host is barely ahead of its GPU then idles while the host refills it."""
+    import collections
+    import traceback
+    import warnings
+    seen: collections.Counter[str] = collections.Counter()
+
+    def note(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        frames = [f for f in traceback.extract_stack()[:-1] if "warnings" not in Path(f.filename).name][-4:]
+        seen[" <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames))] += 1
+
+    sync()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = note
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+            sync()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    lines = [f"{title}: {sum(seen.values())} synchronising calls in one step (torch.cuda.set_sync_debug_mode)"]
+    table = [f"sync {n:5d}x  {site}" for site, n in seen.most_common(15)]
+    with path.open("a") as f:
+        f.write("\n".join(lines + table) + "\n\n")
+    return lines
+
+
 def sdpa_bench(cfg: Any, mbs: int, seq: int) -> list[str]:
     """Forward+backward of one layer's attention at the bench's shape, per SDPA backend."""
     import torch.nn.functional as F
