@@ -233,7 +233,8 @@ class RLLoop:
 
         def payload(folder: Path) -> None:
             self.backend.save_state(str(folder / "trainer"))
-            self.backend.export_hf(str(folder / "hf"))
+            if not self.exports.link_into(self.state.step, folder / "hf"):  # this step's export, if whole
+                self.backend.export_hf(str(folder / "hf"))
 
         state = {"step": self.state.step, "policy_version": self.state.policy_version,
                  "cursor": self.state.cursor, "rollout_chunks": self.state.rollout_chunks,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import shutil
 import threading
 import time
@@ -54,6 +55,7 @@ class WeightExports:
         self._pool: ThreadPoolExecutor | None = None
         self._listeners: list[Callable[[str], None]] = []
         self._unreported_s: float | None = None  # a background export's seconds, until reported
+        self._completed: str | None = None  # the last folder this object wrote whole (link_into)
 
     def path_of(self, step: int) -> Path:
         return self.root / f"{step:08d}"
@@ -103,7 +105,37 @@ class WeightExports:
         self._export(str(partial))
         shutil.rmtree(final, ignore_errors=True)  # a retried step's earlier export of the same step
         partial.rename(final)
+        with self._lock:
+            self._completed = path
         return time.perf_counter() - started
+
+    def link_into(self, step: int, dest: Path) -> bool:
+        """Make `dest` (absent) hold the files of step `step`'s export by hard links, when this
+        object wrote that export whole (so it is of the weights the trainer holds while it
+        does not train: the loop checkpoints after the step's push, before the next step) and
+        the filesystem allows it; False, with nothing left at `dest`, otherwise (the caller
+        exports afresh). Why: a checkpoint held a second export of the same weights, 3.4 GB
+        written again at the Qwen3-1.7B shape. Safe because an export is never written after
+        its rename: removing it later (pruning) leaves the checkpoint's links whole."""
+        self.wait()
+        source = self.path_of(step)
+        with self._lock:
+            written = self._completed == str(source)
+        if not written or not source.is_dir():
+            return False
+        try:
+            for path in source.rglob("*"):
+                target = dest / path.relative_to(source)
+                if path.is_dir():
+                    target.mkdir(parents=True, exist_ok=True)
+                else:
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    os.link(path, target)
+        except OSError as e:  # another filesystem, no hard links there, a folder pruned meanwhile
+            log.info("the checkpoint exports the weights afresh: linking %s failed (%s)", source, e)
+            shutil.rmtree(dest, ignore_errors=True)
+            return False
+        return True
 
     def _finished(self, path: str, done: Future[float]) -> None:
         """After a background export (waiters are woken first): tell the listeners, then

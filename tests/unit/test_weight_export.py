@@ -147,3 +147,50 @@ def _wait(condition, timeout_s: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met"
         time.sleep(0.01)
+
+
+def _write_model(path: str) -> None:
+    Path(path, "sub").mkdir(parents=True)
+    Path(path, "model.safetensors").write_bytes(b"weights" * 100)
+    Path(path, "sub", "tokenizer.json").write_text("{}")
+
+
+def test_a_checkpoint_links_the_export_this_object_wrote_and_keeps_it_after_pruning(tmp_path: Path) -> None:
+    exports = WeightExports(tmp_path / "exports", _write_model)
+    written, _ = exports.write(3)
+    dest = tmp_path / "checkpoint" / "hf"
+    assert exports.link_into(3, dest)
+    files = sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file())
+    assert files == ["model.safetensors", "sub/tokenizer.json"]
+    assert (dest / "model.safetensors").stat().st_ino == (written / "model.safetensors").stat().st_ino
+    exports.write(4)
+    exports.prune(exports.path_of(4))  # step 3's export goes; the checkpoint's links stay whole
+    assert not written.exists() and (dest / "model.safetensors").read_bytes() == b"weights" * 100
+
+
+def test_a_checkpoint_exports_afresh_where_links_cannot_be_made(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    exports = WeightExports(tmp_path / "exports", _write_model)
+    exports.write(2)
+
+    def cross_device(src: object, dst: object) -> None:
+        raise OSError(18, "Invalid cross-device link")
+    monkeypatch.setattr("milepost.core.weight_export.os.link", cross_device)
+    assert not exports.link_into(2, tmp_path / "checkpoint" / "hf")
+    assert not (tmp_path / "checkpoint" / "hf").exists()  # nothing half-linked left for the export to meet
+
+
+def test_a_checkpoint_exports_afresh_what_this_object_did_not_write_whole(tmp_path: Path) -> None:
+    root = tmp_path / "exports"
+    _write_model(str(root / "00000005"))  # a folder an earlier run left: not known to be these weights
+    exports = WeightExports(root, _write_model)
+    assert not exports.link_into(5, tmp_path / "a")
+    exports.write(6)
+    assert not exports.link_into(7, tmp_path / "b")  # another step's
+    failing = HeldExport()
+    failing.fail, failing_exports = "disk full", WeightExports(tmp_path / "other", failing)
+    failing.release.set()
+    with pytest.raises(OSError):
+        failing_exports.write(8)
+    assert not failing_exports.link_into(8, tmp_path / "c")
+    assert not any((tmp_path / name).exists() for name in ("a", "b", "c"))
