@@ -16,8 +16,10 @@ manifest (fsync + sha256 of every file; it re-reads what was just written) and c
 (rename, latest), verify (a resume's deep check of the new checkpoint: the sha256 of every
 file, read from the page cache: the hashing inside the manifest phase; the rest of that phase
 is fsync, i.e. the disk writing the payload's buffered bytes), raw seconds, and raw / checkpoint
-(the checkpoint's fraction of raw write speed, 1.0 = as fast as the disk takes plain bytes). The
-median of the rounds is the result.
+(the checkpoint's fraction of raw write speed, 1.0 = as fast as the disk takes plain bytes), and
+linked_s: the same checkpoint with its HF folder hard-linked from the step's export, as the
+loop writes it since 12-07 (core/weight_export.py `link_into`). The median of the rounds is the
+result.
 
 The model is random (no hub): `gpu-arith` is builtin:gpu-arith's shape (75.5 M parameters),
 `qwen2-0.5b` the 494 M Qwen2 shape of bench/engine_gpu.py. CPU: the torch backend, one rank
@@ -43,6 +45,7 @@ from milepost.core.checkpoint import CheckpointManager
 from milepost.core.config import AlgoConfig, TrainConfig
 from milepost.core.train.factory import create_backend
 from milepost.core.types import Sample
+from milepost.core.weight_export import WeightExports
 
 SHAPES = {  # hidden, layers, heads, kv heads, ffn, vocab, tied
     "gpu-arith": (768, 12, 12, 4, 2048, 32, False),
@@ -78,14 +81,19 @@ def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
-def timed_checkpoint(mgr: CheckpointManager, step: int, backend) -> dict[str, float]:
-    """One committed checkpoint; the payload's time measured inside, manifest and commit after."""
+def timed_checkpoint(mgr: CheckpointManager, step: int, backend, exports: WeightExports | None = None
+                     ) -> dict[str, float]:
+    """One committed checkpoint; the payload's time measured inside, manifest and commit after.
+    `exports`: the HF folder linked from the step's export (written before, untimed: the loop
+    writes it for the push anyway), as core/loop.py does; None: exported afresh."""
     phases: dict[str, float] = {}
 
     def payload(folder: Path) -> None:
         t = time.perf_counter()
         backend.save_state(str(folder / "trainer"))
-        backend.export_hf(str(folder / "hf"))
+        if exports is None or not exports.link_into(step, folder / "hf"):
+            assert exports is None, "the step's export could not be linked"
+            backend.export_hf(str(folder / "hf"))
         phases["payload_s"] = time.perf_counter() - t
         phases["_payload_end"] = time.perf_counter()
 
@@ -132,23 +140,29 @@ def run(args: argparse.Namespace) -> list[str]:
     try:
         backend.train_step(random_samples(8, SHAPES[args.shape][5], seed=1), step=1)  # Adam's moments exist now
         mgr = CheckpointManager(root / "checkpoints", keep_last=1)
+        exports = WeightExports(root / "exports", backend.export_hf)
         rows = []
         for r in range(args.rounds):
-            ck = timed_checkpoint(mgr, r + 1, backend)
+            ck = timed_checkpoint(mgr, 2 * r + 1, backend)
             raw_s = timed_raw_write(root, int(ck["bytes"]))
-            rows.append({**ck, "raw_s": raw_s, "ratio": raw_s / ck["total_s"]})
+            exports.write(2 * r + 2)
+            linked = timed_checkpoint(mgr, 2 * r + 2, backend, exports)
+            rows.append({**ck, "raw_s": raw_s, "ratio": raw_s / ck["total_s"], "linked_s": linked["total_s"]})
         lines.append(f"{'round':>5} {'MB':>8} {'ckpt_s':>8} {'payload_s':>9} {'manifest+commit_s':>17} {'verify_s':>8} "
-                     f"{'raw_s':>7} {'ckpt_GB/s':>9} {'raw_GB/s':>8} {'raw/ckpt':>8}")
+                     f"{'raw_s':>7} {'ckpt_GB/s':>9} {'raw_GB/s':>8} {'raw/ckpt':>8} {'linked_s':>8}")
         for i, row in enumerate(rows):
             gb = row["bytes"] / 1e9
             lines.append(f"{i:>5} {row['bytes'] / 1e6:>8.1f} {row['total_s']:>8.2f} {row['payload_s']:>9.2f} "
                          f"{row['manifest_commit_s']:>17.2f} {row['verify_s']:>8.2f} {row['raw_s']:>7.2f} "
                          f"{gb / row['total_s']:>9.2f} "
-                         f"{gb / row['raw_s']:>8.2f} {row['ratio']:>8.2f}")
+                         f"{gb / row['raw_s']:>8.2f} {row['ratio']:>8.2f} {row['linked_s']:>8.2f}")
         med = statistics.median(r["ratio"] for r in rows)
         lines.append(f"checkpoint's fraction of raw write speed (raw_s / ckpt_s), median of {len(rows)}: {med:.2f}")
         share = statistics.median(r["manifest_commit_s"] / r["total_s"] for r in rows)
         lines.append(f"manifest (fsync + sha256 re-read) and commit's share of the checkpoint, median: {share:.2f}")
+        linked = statistics.median(r["linked_s"] / r["total_s"] for r in rows)
+        lines.append(f"a checkpoint with the HF folder linked from the step's export (linked_s, core/loop.py since "
+                     f"12-07) takes {linked:.2f} of the time of one that exports it afresh (ckpt_s), median")
     finally:
         backend.shutdown()
         ray.shutdown()
