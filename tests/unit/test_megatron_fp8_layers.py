@@ -7,43 +7,29 @@ from __future__ import annotations
 import multiprocessing as mp
 
 import torch
+from megatron_one_rank import in_child, one_rank
 
 from milepost.core.quant.fp8_cast import Fp8Recipe
 
 
 def _attach(port: int, edge_layers: int, queue: mp.Queue) -> None:
-    import torch.distributed as dist
     import transformers as T
-    from megatron.core import parallel_state
 
     from milepost.core.config import MegatronConfig
-    from milepost.core.train.megatron import cpu_compat
     from milepost.core.train.megatron.fp8 import attach_fp8
     from milepost.core.train.megatron.model import build_gpt_model, spec_from_hf_config, transformer_config
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    with cpu_compat.activate():
-        parallel_state.initialize_model_parallel(1, 1)
-        cpu_compat.seed_rng_tracker(0)
+    with one_rank(port):
         hf_cfg = T.Qwen2Config(vocab_size=32, hidden_size=64, num_hidden_layers=5, num_attention_heads=4,
                                num_key_value_heads=2, intermediate_size=96)
         s = spec_from_hf_config(hf_cfg, 1)
         model = build_gpt_model(s, transformer_config(s, MegatronConfig(), torch.float32, True))
         done = attach_fp8([model], Fp8Recipe("tensorwise"), bf16_edge_layers=edge_layers)
         classes = {name: type(m).__name__ for name, m in model.named_modules() if name in done.fp8 + list(done.bf16)}
-    dist.destroy_process_group()
     queue.put({"fp8": done.fp8, "bf16": done.bf16, "classes": classes, "line": done.describe()})
 
 
 def _attached(edge_layers: int) -> dict:
-    from milepost.core.train.torch_backend import _free_port
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_attach, args=(_free_port(), edge_layers, queue))
-    proc.start()
-    result = queue.get(timeout=240)
-    proc.join(timeout=60)
-    return result
+    return in_child(_attach, edge_layers)
 
 
 def test_the_first_and_last_layers_stay_bf16_when_asked_and_the_output_layer_always() -> None:

@@ -10,6 +10,7 @@ import tempfile
 
 import pytest
 import torch
+from megatron_one_rank import in_child, one_rank
 
 from milepost.core.config import LoraConfig
 
@@ -18,22 +19,15 @@ LORA = LoraConfig(rank=3, alpha=6.0, target_modules=["q_proj", "k_proj", "v_proj
 
 
 def _compare(port: int, cfg: LoraConfig, queue: mp.Queue) -> None:
-    import torch.distributed as dist
     import transformers as T
-    from megatron.core import parallel_state
 
     from milepost.core.config import MegatronConfig
     from milepost.core.train import lora
-    from milepost.core.train.megatron import cpu_compat
     from milepost.core.train.megatron import lora as mlora
     from milepost.core.train.megatron.converter import load_hf_into
     from milepost.core.train.megatron.head import response_logits
     from milepost.core.train.megatron.model import build_gpt_model, spec_from_hf_config, transformer_config
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    with cpu_compat.activate():
-        parallel_state.initialize_model_parallel(1, 1)
-        cpu_compat.seed_rng_tracker(0)
+    with one_rank(port):
         torch.manual_seed(0)
         path = tempfile.mkdtemp()
         hf = T.Qwen2ForCausalLM(T.Qwen2Config(vocab_size=31, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -59,19 +53,12 @@ def _compare(port: int, cfg: LoraConfig, queue: mp.Queue) -> None:
             for m in model.modules():  # without the adapter's hooks: the base model, whose logits differ
                 m._forward_hooks.clear()
             base = response_logits(model, model(ids, pos, None), rows, pos, 31, 1)
-    dist.destroy_process_group()
     queue.put({"same_init": same_init, "diff": float((got - ref).abs().max()),
                "adapter_effect": float((base - ref).abs().max())})
 
 
 def test_megatron_lora_hooks_give_peft_lora_logits() -> None:
-    from milepost.core.train.torch_backend import _free_port
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_compare, args=(_free_port(), LORA, queue))
-    proc.start()
-    result = queue.get(timeout=240)
-    proc.join(timeout=60)
+    result = in_child(_compare, LORA)
     assert result["same_init"]  # both backends start from the same adapter
     assert result["adapter_effect"] > 1e-2  # the adapter matters to the logits
     assert result["diff"] < 1e-5, result  # and megatron's fused layout applies it as PEFT does
