@@ -4,8 +4,8 @@
 Current scaling (the default) reads each tensor twice: once for its amax, once to cast it with
 the scale that amax gives. Delayed scaling casts with a scale known before the tensor is read:
 the largest amax of the last N casts of the same operand in the same layer. The cast records
-its own amax for the casts after it, in the same pass over the tensor (one compiled graph
-on CUDA: the amax reduction and the cast read the same input). This is Transformer Engine's
+its own amax for the casts after it, in the same pass over the tensor (on CUDA one Triton
+launch, core/quant/fp8_triton.py; one compiled graph where that kernel does not apply). This is Transformer Engine's
 default recipe (amax history, max) and torchao's `delayed` one.
 
 Rules, and the code that keeps them:
