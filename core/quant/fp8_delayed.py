@@ -144,17 +144,18 @@ class AmaxHistory:
             ring = self._ring(role, t)
             c, size = self._casts[role], self.length + 2
             write_slot, clear_slot = c % size, (c + 1) % size
-            if recipe.compile_casts and t.is_cuda and recipe.cast_kernel == "triton":
+            compiled = recipe.compile_casts and t.is_cuda
+            if compiled and recipe.cast_kernel == "triton":
                 from milepost.core.quant import fp8_triton  # imports fp8_cast
                 if fp8_triton.fits(t):
+                    out = fp8_triton.cast_delayed(t, dtype, ring, write_slot, clear_slot, layout)
                     self._casts[role] = c + 1
-                    return fp8_triton.cast_delayed(t, dtype, ring, write_slot, clear_slot, layout)
+                    return out
             # eager (CPU) or inductor: on the records newest first, the new one written back to the ring
             history = self._newest_first(role)
-            out = (_compiled_delayed(dtype, layout)(t, history) if recipe.compile_casts and t.is_cuda
+            out = (_compiled_delayed(dtype, layout)(t, history) if compiled
                    else quantize_delayed(t, dtype, history, layout))
-            ring[write_slot] = history[0]
-            ring[clear_slot] = 0.0
+            ring[write_slot], ring[clear_slot] = history[0], 0.0
             self._casts[role] = c + 1
             return out
         return delayed_cast
