@@ -91,9 +91,10 @@ elif [ "$call" = fp8 ]; then
   # FP8_STEPS: its steps (default 50); FP8_ARITH_RECIPES: its fp8 recipes (default tensorwise-fast;
   # bench/fp8_training.py names, each with +edgeN); FP8_OTHER: its other modes instead of int4_qat
   # (e.g. bf16@mb4, bf16's own noise floor).
-  # FP8_TESTS_K: only the GPU tests whose names match (pytest -k)
+  # FP8_TESTS_K: only the GPU tests whose names match (pytest -k); FP8_TESTS_ALSO: other GPU test files, whole
   [ "${FP8_TESTS:-1}" != 0 ] && step gpu_tests 100 python3 -m pytest -q -m gpu tests/gpu/test_fp8_linear_gpu.py -s \
       ${FP8_TESTS_K:+-k "$FP8_TESTS_K"}
+  [ -n "${FP8_TESTS_ALSO:-}" ] && step gpu_tests_also 60 python3 -m pytest -q -m gpu $FP8_TESTS_ALSO
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   [ "${FP8_MB4:-1}" != 0 ] && step fp8_mb4 200 python3 bench/fp8_training.py --variant fuse=1,mb=4 \
       --fp8-recipes tensorwise-fast --steps 30 --profile "$OUT/fp8_profile_mb4.txt" --out "$OUT/fp8_mb4.txt"

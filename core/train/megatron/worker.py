@@ -54,6 +54,7 @@ from milepost.core.train.megatron.model import (
     spec_from_hf_config,
     transformer_config,
 )
+from milepost.core.train.megatron.optimizer_kernels import use_fast_multi_tensor, use_fused_adam
 from milepost.core.train.megatron.push_staging import PushStaging, Source
 from milepost.core.train.megatron.step import (
     MicroBatch,
@@ -79,17 +80,6 @@ from milepost.core.weight_sync.packing import pack_parameters
 
 PG_TIMEOUT = datetime.timedelta(minutes=10)
 log = logging.getLogger(__name__)
-
-
-def use_fused_adam(optimizer: Any) -> None:
-    """Switch megatron's torch Adam(W) to torch's fused CUDA kernel: without Transformer Engine
-    or Apex megatron builds the foreach version, which makes several passes over the fp32
-    master weights and moments (TE's FusedAdam makes one, as the fused kernel does)."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        if isinstance(inner, torch.optim.Adam):  # AdamW included
-            for group in inner.param_groups:  # read by Adam.step; moment/step state is made lazily
-                group["fused"], group["foreach"] = True, False
 
 
 def compat(method: Any) -> Any:
@@ -284,6 +274,7 @@ class MegatronRankWorker(SenderRank):
                                   adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1], adam_eps=1e-8,
                                   clip_grad=cfg.grad_clip, bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
                                   use_distributed_optimizer=m.distributed_optimizer)
+        use_fast_multi_tensor()  # megatron's stand-ins for Apex's kernels wait for the GPU per parameter
         self.optimizer = get_megatron_optimizer(opt_cfg, self.model)
         if self.device.type == "cuda":
             use_fused_adam(self.optimizer)
