@@ -211,18 +211,26 @@ def progress_gap(a: list[float], b: list[float]) -> float:
     return max(abs((x - a[0]) - (y - b[0])) for x, y in zip(a, b)) / learnt
 
 
+def window_means(c: list[float], window: int = 5) -> list[float]:
+    """c's trailing `window`-step means (fewer at the start)."""
+    return [sum(c[max(0, i - window + 1):i + 1]) / len(c[max(0, i - window + 1):i + 1]) for i in range(len(c))]
+
+
+def curve_gap(a: list[float], b: list[float], window: int = 5) -> float:
+    """The largest relative gap of the `window`-step means: the curves read as a plot reads
+    them, not point by point (a single step's NLL moves with its own batch; bf16 run twice with
+    another summation order already differs by ~2 % at some step of 50, run 12)."""
+    return max_rel_gap(window_means(a, window), window_means(b, window))
+
+
 def gap_profile(a: list[float], b: list[float], window: int = 5) -> str:
     """How a's NLL curve departs from b's, step by step: the rms of the relative gap, the steps
-    beyond issue 21's 2 %, and the largest gap of the `window`-step means (a curve read as
-    a plot reads it, not point by point)."""
+    beyond issue 21's 2 %, and `curve_gap`."""
     gaps = [(x - y) / abs(y) for x, y in zip(a, b)]
-    def means(c: list[float]) -> list[float]:
-        return [sum(c[max(0, i - window + 1):i + 1]) / len(c[max(0, i - window + 1):i + 1]) for i in range(len(c))]
-    smooth = max(abs(x - y) / abs(y) for x, y in zip(means(a), means(b)))
     rms = (sum(g * g for g in gaps) / len(gaps)) ** 0.5
     beyond = sum(abs(g) > TARGET_GAP for g in gaps)
     return (f"per-step NLL gap rms {rms:.2%}, {beyond} of {len(gaps)} steps beyond {TARGET_GAP:.0%}, "
-            f"largest gap of the {window}-step means {smooth:.2%}")
+            f"largest gap of the {window}-step means {curve_gap(a, b, window):.2%}")
 
 
 def report(results: dict[str, dict[str, Any]], tokens: int, out: list[str]) -> dict[str, dict[str, float]]:
@@ -237,7 +245,8 @@ def report(results: dict[str, dict[str, Any]], tokens: int, out: list[str]) -> d
         gap = max_rel_gap(r["nll"], base["nll"]) if base else float("nan")
         learnt = progress_gap(r["nll"], base["nll"]) if base else float("nan")
         if name != "bf16":
-            ratios[name] = {"throughput_vs_bf16": speed, "max_rel_nll_gap": gap, "learnt_gap": learnt}
+            ratios[name] = {"throughput_vs_bf16": speed, "max_rel_nll_gap": gap, "learnt_gap": learnt,
+                            "curve_gap_5": curve_gap(r["nll"], base["nll"])}
             if not name.startswith("fp8["):  # measured beside bf16; issue 21's bar is fp8's
                 ratios[name]["no_target"] = 1.0
         label = name if not base or r["micro_batch"] == base["micro_batch"] else f"{name} (mb={r['micro_batch']})"
@@ -254,12 +263,14 @@ def report(results: dict[str, dict[str, Any]], tokens: int, out: list[str]) -> d
             mfu.log(out, f"{name}: {q['throughput_vs_bf16']:.3f}x bf16 step throughput, max NLL gap "
                          f"{q['max_rel_nll_gap']:.2%} (per-mode figure, no target)")
             continue
-        ok = q["throughput_vs_bf16"] >= TARGET_SPEEDUP and q["max_rel_nll_gap"] <= TARGET_GAP
-        verdict = (f"{'meets' if ok else 'misses'} issue 21's bar" if mfu.DEVICE == "cuda" else
+        fast = q["throughput_vs_bf16"] >= TARGET_SPEEDUP
+        verdicts = [f"per step {'meets' if fast and q['max_rel_nll_gap'] <= TARGET_GAP else 'misses'}",
+                    f"as a curve {'meets' if fast and q['curve_gap_5'] <= TARGET_GAP else 'misses'}"]
+        verdict = (f"{', '.join(verdicts)} issue 21's bar" if mfu.DEVICE == "cuda" else
                    "no verdict on CPU (fp8 emulated, tiny shape: the speed means nothing)")
         mfu.log(out, f"{name}: {q['throughput_vs_bf16']:.3f}x bf16 step throughput (target >= {TARGET_SPEEDUP}), "
-                     f"max NLL gap {q['max_rel_nll_gap']:.2%} (target <= {TARGET_GAP:.0%}; gap in NLL learnt "
-                     f"{q['learnt_gap']:.1%}): {verdict}")
+                     f"max NLL gap {q['max_rel_nll_gap']:.2%} per step, {q['curve_gap_5']:.2%} of the 5-step means "
+                     f"(target <= {TARGET_GAP:.0%}; gap in NLL learnt {q['learnt_gap']:.1%}): {verdict}")
     return ratios
 
 
