@@ -23,6 +23,8 @@ tokens/s per mode; int4_qat trains fake-quantised linears, in bf16 on a GPU), no
 `bf16@mb4`: bf16 again at another micro-batch, the same training with another summation order
 (how far the NLL curve moves under rounding-level changes alone: the noise floor of the gap).
 `fp8[recipe+edgeN]`: that recipe with the first and last N transformer layers in bf16.
+Any mode with `/waits` last (`bf16/waits`, `--fp8-recipes tensorwise-fast/waits`): trained as
+before the host-wait fixes (`keep_host_waits`), their speed-up side by side.
 Loss curve: every advantage +1, TIS off, engine logprobs 0, so each step maximises the
 responses' likelihood and `train/engine_logprob_absdiff_sum / loss tokens` is the batch's NLL
 before the step's update (as tests/integration/test_megatron_fp8.py). Data (`--data`): random
@@ -111,13 +113,29 @@ def nll_batches(count: int, args: argparse.Namespace, vocab: int) -> list[list[A
     return batches
 
 
+WAITS = "/waits"  # a mode's suffix: trained as before the host-wait fixes (`keep_host_waits`)
+
+
+def keep_host_waits() -> None:
+    """This process trains as megatron did before the host-wait fixes, for their side-by-side
+    measure: megatron's own Python stand-ins for Apex's multi-tensor kernels (a wait for the GPU
+    per parameter in the gradient norm) and micro-batches copied from pageable memory (a wait
+    per tensor). Each mode runs in a process of its own, so nothing else sees it."""
+    import functools
+
+    from milepost.core.train.megatron import step, worker
+    worker.use_fast_multi_tensor = lambda: []  # type: ignore[assignment]
+    step.MicroBatch.to = functools.partialmethod(step.MicroBatch.to, pinned=False)  # type: ignore[assignment]
+
+
 def parse_mode(name: str) -> tuple[str, dict[str, Any] | None, int, int]:
     """A mode's name -> (precision.train, fp8 recipe fields or None, micro-batch override (0:
     none), fp8_bf16_edge_layers). Names: 'bf16', 'int4_qat', 'fp32', 'fp8[recipe]', with
     '+edgeN' inside the brackets (the first and last N transformer layers in bf16) and '@mbN'
     after the name (that micro-batch: 'bf16@mb4' is bf16 again with another summation order,
-    how far the NLL curve moves under rounding-level changes alone)."""
-    name, _, mb = name.partition("@mb")
+    how far the NLL curve moves under rounding-level changes alone); any of them with `WAITS`
+    last (`keep_host_waits`)."""
+    name, _, mb = name.removesuffix(WAITS).partition("@mb")
     if not name.startswith("fp8["):
         return name, None, int(mb or 0), 0
     key, _, edges = name[4:-1].partition("+edge")
@@ -131,6 +149,8 @@ def run_mode(folder: str, name: str, batches: list[list[Any]], args: argparse.Na
     from milepost.core.quant.fp8_cast import Fp8Recipe
     precision, fields, mb, edges = parse_mode(name)
     recipe = Fp8Recipe(**fields) if fields is not None else None
+    if name.endswith(WAITS):
+        keep_host_waits()
     mfu.reset_peak()
     variant = mfu.parse_variant(args.variant)
     if name != "bf16" and not recipe and args.other_mb:
@@ -141,6 +161,8 @@ def run_mode(folder: str, name: str, batches: list[list[Any]], args: argparse.Na
                                  fp8_recipe=recipe, megatron={"fp8_bf16_edge_layers": edges})
     try:
         fp8_layers = sum(type(m).__name__.startswith("Fp8") for c in worker.model for m in c.modules())
+        from megatron.core.optimizer import clip_grads  # which gradient norm this mode's worker runs
+        norm_by = clip_grads.l2_norm_impl.__name__
         times, nll = [], []
         steps = args.steps if precision == "bf16" or recipe else min(args.steps, args.other_steps)
         for i in range(steps):
@@ -162,7 +184,7 @@ def run_mode(folder: str, name: str, batches: list[list[Any]], args: argparse.Na
         timed = times[args.warmup:] or times
         return {"recipe": asdict(recipe) if recipe else None, "fp8_linear_layers": fp8_layers,
                 "micro_batch": variant["mb"], "s_per_step": sum(timed) / len(timed), "step_times": times, "nll": nll,
-                "peak_gib": mfu.peak_gib(), "phases": phases, "profile": profile}
+                "peak_gib": mfu.peak_gib(), "phases": phases, "profile": profile, "grad_norm_by": norm_by}
     finally:
         worker.shutdown()
         mfu.empty_cache()
@@ -323,16 +345,21 @@ def main() -> None:
     batches = nll_batches(args.batches, args, cfg.vocab_size)
     results: dict[str, dict[str, Any]] = {}
     others = [m for m in args.other_modes.split(",") if m]
-    unknown = sorted({m for m in others if m.partition("@mb")[0] not in ("int4_qat", "fp32", "bf16")} |
-                     {r for r in args.fp8_recipes.split(",") if r and r.partition("+edge")[0] not in RECIPES})
+    recipes = [r.removesuffix(WAITS) for r in args.fp8_recipes.split(",") if r]
+    other_kinds = ("int4_qat", "fp32", "bf16")
+    unknown = sorted({m for m in others if m.removesuffix(WAITS).partition("@mb")[0] not in other_kinds}
+                     | {r for r in recipes if r.partition("+edge")[0] not in RECIPES})
     if unknown:
         ap.error(f"{unknown}: --other-modes takes int4_qat, fp32 or bf16 (each with @mbN for another "
-                 f"micro-batch), --fp8-recipes {sorted(RECIPES)} (each with +edgeN)")
-    modes = [f"fp8[{r}]" for r in args.fp8_recipes.split(",") if r] + others + ["bf16"]
+                 f"micro-batch), --fp8-recipes {sorted(RECIPES)} (each with +edgeN); any with {WAITS} last "
+                 "(trained as before the host-wait fixes)")
+    modes = [f"fp8[{r.removesuffix(WAITS)}]" + (WAITS if r.endswith(WAITS) else "")
+             for r in args.fp8_recipes.split(",") if r] + others + ["bf16"]
     for name in modes if args.fp8_first else modes[-1:] + modes[:-1]:
         try:
             results[name] = run_mode_apart(folder, name, batches, args)
-            mfu.log(out, f"{name}: done, {results[name]['s_per_step']:.3f} s/step")
+            mfu.log(out, f"{name}: done, {results[name]['s_per_step']:.3f} s/step "
+                         f"(gradient norm by {results[name]['grad_norm_by']})")
             for line in results[name]["profile"]:
                 mfu.log(out, line)
         except Exception:  # noqa: BLE001  (recorded; the other modes still run)

@@ -41,12 +41,13 @@ class MicroBatch:
     batch: dict[str, Tensor]  # collate(...) of the samples: loss tensors [B, T]
     routes: Tensor | None = None  # MoE: the engine's experts [layers, tokens, top_k] in megatron's order
 
-    def to(self, device: torch.device) -> MicroBatch:
+    def to(self, device: torch.device, pinned: bool = True) -> MicroBatch:
         """On `device`, without waiting for it. Why pinned: CUDA makes a copy from pageable host
         memory wait for everything queued on the stream, and a micro-batch moves while the one
         before it is still queued, so each of its ~15 tensors drained the GPU's queue (after
-        which the GPU idles until the host has launched the next kernels)."""
-        pin = device.type == "cuda"
+        which the GPU idles until the host has launched the next kernels). `pinned=False`: from
+        pageable memory (bench/fp8_training.py's `/waits` modes measure the difference)."""
+        pin = pinned and device.type == "cuda"
 
         def move(t: Tensor) -> Tensor:
             return (t.pin_memory() if pin and t.device.type == "cpu" else t).to(device, non_blocking=True)
