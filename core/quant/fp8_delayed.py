@@ -16,6 +16,11 @@ Rules, and the code that keeps them:
   current scaling does (a zero or arbitrary start would clip or waste range on the first step).
 - A value above the scale's amax saturates at the format's largest value: the clamp is part of
   every delayed cast, where current scaling could not overflow.
+- A cast records the largest finite |value| of its tensor (`finite_amax`): an inf or a NaN
+  is never recorded (the cast itself saturates an inf and keeps a NaN a NaN). Why: an inf
+  record would set every later scale to 0 for N casts, so the layer's input would be cast to
+  zeros, a finite loss trained on garbage with nothing to see (Transformer Engine keeps the
+  previous scale on a non-finite amax, for the same reason).
 - Each operand's records live in a ring (`AmaxHistory`'s docstring), so a cast on CUDA is one
   Triton launch: no roll of the records after it.
 - Histories are part of the train state: the megatron worker writes them with each checkpoint
@@ -39,21 +44,28 @@ from milepost.core.quant.fp8_cast import (
     Fp8Recipe,
     Layout,
     _eager_division_option,
-    tensor_amax,
 )
 
 Role = Literal["x", "g"]
 
 
+def finite_amax(x: Tensor) -> Tensor:
+    """The largest finite |value| of x as a float32 [] (0 when none is): infs and NaNs are
+    left out (this module's rules; the Triton cast records the same)."""
+    a = x.abs()
+    return torch.where(torch.isfinite(a), a, torch.zeros_like(a)).amax().float()
+
+
 def quantize_delayed(x: Tensor, dtype: torch.dtype, history: Tensor, layout: Layout = "row") -> tuple[Tensor, ...]:
     """x: [R, C], history: float32 [N] (newest first) -> `quantize_t`'s outputs for `layout`
     ("row": (q, s); "col": (q^T contiguous, s); "both": (q, q^T, s)) with s = max(history) /
-    dtype max; then x's own amax is recorded in `history` (in place, the oldest dropped)."""
+    dtype max; then x's own amax (`finite_amax`) is recorded in `history` (in place, the oldest
+    dropped)."""
     fmax = torch.finfo(dtype).max
     amax = history.amax().clamp(min=AMAX_FLOOR)
     q = (x.float() * (fmax / amax)).clamp(-fmax, fmax).to(dtype)
     scale_inv = amax / fmax
-    history.copy_(torch.cat([x.abs().amax().float().reshape(1), history[:-1]]))
+    history.copy_(torch.cat([finite_amax(x).reshape(1), history[:-1]]))
     if layout == "row":
         return q, scale_inv
     if layout == "col":
@@ -99,7 +111,7 @@ class AmaxHistory:
         ring = self._rings.get(role)
         if ring is None or ring.device != x.device:
             ring = torch.zeros(self.length + 2, dtype=torch.float32, device=x.device)
-            ring[0] = tensor_amax(x).float()
+            ring[0] = finite_amax(x)
             self._rings[role], self._casts[role] = ring, 1
         return ring
 

@@ -33,6 +33,7 @@ from milepost.core.quant.fp8_cast import AMAX_FLOOR, Layout, tensor_amax
 
 BLOCK_M, BLOCK_K = 64, 128  # a tile: 16 KB of bf16 read, 8 + 8 KB of fp8 written
 MAX_ELEMENTS = 2**31 - 1  # the kernel's offsets are 32-bit; a larger tensor goes through inductor
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def fits(x: Tensor) -> bool:
@@ -49,7 +50,8 @@ def _kernel() -> Any:
     @triton.jit(do_not_specialize=["write_slot", "clear_slot"])
     def fp8_cast_tile(x_ptr, q_ptr, qt_ptr, amax_ptr, ring_ptr, scale_inv_ptr, write_slot, clear_slot,
                       M, K, stride_xm,
-                      FMAX: tl.constexpr, INV_FMAX: tl.constexpr, FLOOR: tl.constexpr, RING: tl.constexpr,
+                      FMAX: tl.constexpr, INV_FMAX: tl.constexpr, FLOOR: tl.constexpr, FINITE_MAX: tl.constexpr,
+                      RING: tl.constexpr,
                       RING_P2: tl.constexpr, WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr,
                       BM: tl.constexpr, BK: tl.constexpr):
         pid_m, pid_k = tl.program_id(0), tl.program_id(1)
@@ -75,7 +77,9 @@ def _kernel() -> Any:
         if WRITE_QT:
             tl.store(qt_ptr + rk[:, None] * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
         if RING > 0:  # x's own amax into the write slot (zeroed by the launch before): atomic max over tiles
-            tl.atomic_max(ring_ptr + write_slot, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+            a = tl.abs(x)
+            a = tl.where(a <= FINITE_MAX, a, 0.0)  # infs and NaNs are not recorded (fp8_delayed.finite_amax)
+            tl.atomic_max(ring_ptr + write_slot, tl.max(tl.max(a, axis=1), axis=0))
 
     return fp8_cast_tile
 
@@ -99,7 +103,8 @@ def _launch(x: Tensor, dtype: torch.dtype, layout: Layout, amax: Tensor | None,
     _kernel()[grid](
         x, q if q is not None else q_t, q_t if q_t is not None else q,
         amax if amax is not None else scale_inv, records, scale_inv, write_slot, clear_slot, m, k, x.stride(0),
-        FMAX=fmax, INV_FMAX=inv_fmax, FLOOR=AMAX_FLOOR, RING=size, RING_P2=max(2, 1 << (size - 1).bit_length()),
+        FMAX=fmax, INV_FMAX=inv_fmax, FLOOR=AMAX_FLOOR, FINITE_MAX=FLOAT32_MAX,
+        RING=size, RING_P2=max(2, 1 << (size - 1).bit_length()),
         WRITE_Q=q is not None, WRITE_QT=q_t is not None, BM=BLOCK_M, BK=BLOCK_K, num_warps=4)
     if layout == "row":
         return q, scale_inv  # type: ignore[return-value]

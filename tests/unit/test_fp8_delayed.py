@@ -123,3 +123,25 @@ def test_the_records_stay_newest_first_through_many_turns_of_the_ring() -> None:
     loaded = AmaxHistory(3)
     loaded.load_state(history.state(), torch.device("cpu"))
     assert torch.equal(loaded.records["x"], history.records["x"])
+
+
+def test_an_inf_or_a_nan_is_never_recorded() -> None:
+    """An inf record would cast every later tensor to zeros for N casts, with a finite loss."""
+    history = AmaxHistory(3)
+    cast = history.caster("x")
+    cast(_x(), E4M3, None, DELAYED)
+    before = history.records["x"].clone()
+    bad = _x(2.0, seed=1)
+    finite = bad.abs().amax().float()
+    bad[0, 0], bad[1, 1], bad[2, 2] = float("inf"), float("-inf"), float("nan")
+    q, s = cast(bad, E4M3, None, DELAYED)
+    assert torch.equal(s, before.amax() / torch.finfo(E4M3).max)  # scaled by the records before it
+    assert q[0, 0].float() == torch.finfo(E4M3).max and q[1, 1].float() == -torch.finfo(E4M3).max  # saturated
+    assert torch.isnan(q[2, 2].float())
+    records = history.records["x"]
+    assert records[0] == finite and torch.equal(records[1:], before[:2])  # its finite amax, newest first
+    q, s = cast(_x(), E4M3, None, DELAYED)
+    assert torch.equal(s, finite / torch.finfo(E4M3).max) and torch.isfinite(q.float()).all()
+    only_bad = torch.full((16, 16), float("nan"), dtype=torch.bfloat16)
+    cast(only_bad, E4M3, None, DELAYED)
+    assert history.records["x"][0] == 0.0  # nothing finite: no record
