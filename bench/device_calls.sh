@@ -85,7 +85,7 @@ elif [ "$call" = tensor ]; then
   tail -n 30 "$OUT/gpu_arith_tensor.log"
 elif [ "$call" = fp8 ]; then
   # issue 21 in one call (~500 s): the fp8 GPU tests; bf16 beside tensorwise-fast at micro-batch 4 on random
-  # tokens, 30 steps, profiled (comparable with runs 1-8); then micro-batch FP8_MB (default 8) on arithmetic
+  # tokens, 30 steps, profiled (comparable with runs 1-8); then micro-batch FP8_MB (default 8, 16 on an H200) on arithmetic
   # text, 50 steps, a new batch each step (the loss curve), with int4_qat beside it at micro-batch 4.
   # FP8_TESTS=0 / FP8_MB4=0 / FP8_INT4=0 leave those out; FP8_PROFILE=1 profiles the second run too;
   # FP8_STEPS: its steps (default 50); FP8_ARITH_RECIPES: its fp8 recipes (default tensorwise-fast;
@@ -98,7 +98,10 @@ elif [ "$call" = fp8 ]; then
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   [ "${FP8_MB4:-1}" != 0 ] && step fp8_mb4 200 python3 bench/fp8_training.py --variant fuse=1,mb=4 \
       --fp8-recipes tensorwise-fast --steps 30 --profile "$OUT/fp8_profile_mb4.txt" --out "$OUT/fp8_mb4.txt"
-  mb=${FP8_MB:-8} more=()
+  # micro-batch 16 (one micro-batch a step: half the host's launches) where it fits: an H200's 139 GiB, not
+  # an H100's 80 (bf16 peaks at 69 GiB at 8)
+  big=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | awk '{print ($1 > 100000)}')
+  mb=${FP8_MB:-$([ "$big" = 1 ] && echo 16 || echo 8)} more=()
   if [ -n "${FP8_OTHER:-}" ]; then more+=(--other-modes "$FP8_OTHER" --other-steps 50)
   elif [ "${FP8_INT4:-1}" != 0 ]; then more+=(--other-modes int4_qat --other-mb 4 --other-steps 50); fi
   [ -n "${FP8_PROFILE:-}" ] && more+=(--profile "$OUT/fp8_profile_mb$mb.txt")
