@@ -11,6 +11,8 @@ import torch
 
 from milepost.core.train.megatron.optimizer_kernels import (
     _BINDINGS,
+    _COPY,
+    foreach_copy_this_to_that,
     foreach_l2_norm,
     foreach_scale,
     use_fast_multi_tensor,
@@ -68,14 +70,29 @@ def test_scale_in_place_into_another_dtype_and_by_a_factor() -> None:
         torch.testing.assert_close(o, t * 3.0, rtol=0, atol=0)
 
 
+def test_the_master_weights_copy_into_bf16_parameters_as_copy_does() -> None:
+    masters = grads(3)
+    ours, theirs = ([torch.empty_like(t, dtype=torch.bfloat16) for t in masters] for _ in range(2))
+    foreach_copy_this_to_that(masters, ours, None)
+    for master, param in zip(masters, theirs, strict=True):  # megatron's loop for bf16 (no overflow_buf)
+        param.copy_(master)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+    foreach_copy_this_to_that([], [], None)  # no parameters: nothing to launch
+
+
 def test_installed_only_over_megatrons_stand_ins(monkeypatch: pytest.MonkeyPatch) -> None:
     from megatron.core import utils as mcore_utils
     for module_name, name, fallback in _BINDINGS:  # as megatron binds them without Apex / TE
         monkeypatch.setattr(importlib.import_module(module_name), name, getattr(mcore_utils, fallback))
+    def megatrons_copy(this: list[torch.Tensor], that: list[torch.Tensor], overflow_buf: object = None) -> None: ...
+    megatrons_copy.__module__ = _COPY[0]  # as megatron's own function (an earlier test may have replaced it)
+    optimizer = importlib.import_module(_COPY[0])
+    monkeypatch.setattr(optimizer, _COPY[1], megatrons_copy)
     clip_grads = importlib.import_module("megatron.core.optimizer.clip_grads")
 
     replaced = use_fast_multi_tensor()
-    assert replaced == [f"{m}.{n}" for m, n, _ in _BINDINGS]
+    assert replaced == [f"{m}.{n}" for m, n, _ in _BINDINGS] + [".".join(_COPY)]
+    assert getattr(optimizer, _COPY[1]) is foreach_copy_this_to_that
     assert clip_grads.l2_norm_impl is foreach_l2_norm and clip_grads.multi_tensor_scale_impl is foreach_scale
     assert use_fast_multi_tensor() == []  # idempotent
 

@@ -14,12 +14,15 @@ step more than their arithmetic:
   ones, and the step's host time can no longer hide behind the GPU's. `foreach_l2_norm`
   computes the same norm with torch's foreach norm and one reduction, on the device; the one
   wait left is megatron's own `.item()` of the total. `foreach_scale` does the same for the
-  stand-in of Apex's multi_tensor_scale (clipping, and the copy of the master weights into the
-  bf16 parameters): a few foreach launches instead of two kernels a parameter.
+  stand-in of Apex's multi_tensor_scale (gradient clipping): a few foreach launches instead of
+  two kernels a parameter.
+- The copy of the fp32 master weights into the bf16 parameters after each step: megatron copies
+  parameter by parameter when training bf16 (Apex's kernel has no bf16 variant; one kernel and
+  its host call each, 226 a step); `foreach_copy_this_to_that` copies them in a few launches.
 
-`use_fast_multi_tensor()` installs both into megatron's optimizer modules in place of the
-stand-ins only (never over Apex's or TE's kernels). Both run on CPU too, so CPU tests train
-through the functions the GPU runs.
+`use_fast_multi_tensor()` installs these into megatron's optimizer modules in place of
+megatron's own Python versions only (never over Apex's or TE's kernels). All run on CPU too, so
+CPU tests train through the functions the GPU runs.
 """
 
 from __future__ import annotations
@@ -60,13 +63,21 @@ def foreach_scale(chunk_size: int, noop_flag: Tensor | None, tensor_lists: list[
         torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
 
 
+def foreach_copy_this_to_that(this: list[Tensor], that: list[Tensor], overflow_buf: Tensor | None = None) -> None:
+    """megatron's `_multi_tensor_copy_this_to_that`: that[i] = this[i], dtypes converted as
+    `copy_` converts them, in a few launches whatever `overflow_buf` (Apex's flag) is."""
+    if this:
+        torch._foreach_copy_(that, this)
+
+
 _REPLACEMENTS = {"local_multi_tensor_l2_norm": foreach_l2_norm, "local_multi_tensor_scale": foreach_scale}
+_COPY = ("megatron.core.optimizer.optimizer", "_multi_tensor_copy_this_to_that")
 
 
 def use_fast_multi_tensor() -> list[str]:
-    """Put `foreach_l2_norm` / `foreach_scale` in place of megatron's Python stand-ins wherever
-    megatron bound those; returns the `module.name`s replaced (none where Apex or TE is in use).
-    Idempotent; process-wide (the stand-ins are module globals)."""
+    """Put this module's functions in place of megatron's Python versions wherever megatron
+    bound those; returns the `module.name`s replaced (no stand-in where Apex or TE is in use).
+    Idempotent; process-wide (they are module globals)."""
     from megatron.core import utils as mcore_utils
     replaced = []
     for module_name, name, fallback in _BINDINGS:
@@ -75,6 +86,11 @@ def use_fast_multi_tensor() -> list[str]:
         if bound is getattr(mcore_utils, fallback, object()):
             setattr(module, name, _REPLACEMENTS[fallback])
             replaced.append(f"{module_name}.{name}")
+    module = importlib.import_module(_COPY[0])
+    copy = getattr(module, _COPY[1], None)
+    if getattr(copy, "__module__", None) == _COPY[0]:  # megatron's own (a later megatron may rename it)
+        setattr(module, _COPY[1], foreach_copy_this_to_that)
+        replaced.append(".".join(_COPY))
     return replaced
 
 
