@@ -2,7 +2,7 @@
 here: Transformer Engine does not install on these machines, ../shared/FACTS.md).
 
 Without them megatron falls back to torch's foreach Adam and to Python stand-ins for Apex's
-multi-tensor kernels (`megatron.core.utils.local_multi_tensor_*`). Two of those cost a GPU
+multi-tensor kernels (`megatron.core.utils.local_multi_tensor_*`). Three things cost a GPU
 step more than their arithmetic:
 - Adam: the foreach version makes several passes over the fp32 master weights and moments;
   torch's fused CUDA kernel makes one, as TE's FusedAdam does (`use_fused_adam`).
