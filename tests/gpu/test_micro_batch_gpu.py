@@ -18,6 +18,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.mark.parametrize("pack", [True, False])
 def test_a_micro_batch_moves_while_the_gpu_is_busy(pack: bool) -> None:
     (mb,) = build_micro_batches(make_samples(4, 0), 0, pack, 4, 4096)
+    mb.to(torch.device("cuda"))  # as in training after the first step: the pinned buffers are cached
     torch.cuda.synchronize()
     torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU cycles queued ahead of the copies
     moved = mb.to(torch.device("cuda"))
