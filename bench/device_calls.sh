@@ -100,7 +100,7 @@ elif [ "$call" = fp8 ]; then
       --fp8-recipes tensorwise-fast --steps 30 --profile "$OUT/fp8_profile_mb4.txt" --out "$OUT/fp8_mb4.txt"
   # micro-batch 16 (one micro-batch a step: half the host's launches) where it fits: an H200's 139 GiB, not
   # an H100's 80 (bf16 peaks at 69 GiB at 8)
-  big=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | awk '{print ($1 > 100000)}')
+  big=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1 | awk '{print ($1 > 100000)}')
   mb=${FP8_MB:-$([ "$big" = 1 ] && echo 16 || echo 8)} more=()
   if [ -n "${FP8_OTHER:-}" ]; then more+=(--other-modes "$FP8_OTHER" --other-steps 50)
   elif [ "${FP8_INT4:-1}" != 0 ]; then more+=(--other-modes int4_qat --other-mb 4 --other-steps 50); fi
