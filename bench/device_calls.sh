@@ -106,7 +106,7 @@ elif [ "$call" = fp8 ]; then
   elif [ "${FP8_INT4:-1}" != 0 ]; then more+=(--other-modes int4_qat --other-mb 4 --other-steps 50); fi
   [ -n "${FP8_PROFILE:-}" ] && more+=(--profile "$OUT/fp8_profile_mb$mb.txt")
   step "fp8_mb${mb}_arith" $(( $(left) - 5 )) python3 bench/fp8_training.py --variant "fuse=1,mb=$mb" \
-      --fp8-recipes "${FP8_ARITH_RECIPES:-tensorwise-fast}" --data arith --batches 50 --steps "${FP8_STEPS:-50}" "${more[@]}" --out "$OUT/fp8_mb${mb}_arith.txt"
+      --fp8-recipes "${FP8_ARITH_RECIPES:-tensorwise-fast}" --data arith --batches 50 --steps "${FP8_STEPS:-50}" "${more[@]}" --time-budget-s $(( $(left) - 25 )) --out "$OUT/fp8_mb${mb}_arith.txt"
 elif [ "$call" = pending ]; then
   # what was built and not yet timed on a GPU; now only a rerun of the Megatron checkpoint against a
   # raw write (~90 s with Ray's start; 12-07: bench/results/checkpoint_write_gpu.txt)

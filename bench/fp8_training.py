@@ -328,6 +328,10 @@ def main() -> None:
                     "each mode's top kernels and idle gaps appended to this file")
     ap.add_argument("--fp8-first", action="store_true",
                     help="run the fp8 modes before bf16 (a run cut short still has the fp8 numbers)")
+    ap.add_argument("--time-budget-s", type=float, default=0,
+                    help="seconds this run may take (0: no limit): a mode is left out, and the table printed "
+                         "with the modes done, where the longest mode so far would not fit in what is left "
+                         "(a device call's limit kills a run, table and JSON with it)")
     ap.add_argument("--out", default=default_out)
     args = ap.parse_args()
     out_path = Path(args.out)
@@ -355,7 +359,13 @@ def main() -> None:
                  "(trained as before the host-wait fixes)")
     modes = [f"fp8[{r.removesuffix(WAITS)}]" + (WAITS if r.endswith(WAITS) else "")
              for r in args.fp8_recipes.split(",") if r] + others + ["bf16"]
+    began, longest = time.monotonic(), 0.0
     for name in modes if args.fp8_first else modes[-1:] + modes[:-1]:
+        left = args.time_budget_s - (time.monotonic() - began)
+        if args.time_budget_s and longest > left:
+            mfu.log(out, f"{name}: left out, {left:.0f} s of --time-budget-s left and a mode took {longest:.0f} s")
+            continue
+        mode_began = time.monotonic()
         try:
             results[name] = run_mode_apart(folder, name, batches, args)
             mfu.log(out, f"{name}: done, {results[name]['s_per_step']:.3f} s/step "
@@ -367,6 +377,7 @@ def main() -> None:
             # the last non-empty line: a mode's process error ends with its own traceback's blank line
             last = [line for line in traceback.format_exc().splitlines() if line.strip()][-1]
             mfu.log(out, f"{name} failed: {last}")
+        longest = max(longest, time.monotonic() - mode_began)
     ratios = report(results, tokens, out)
     summary = {"device": device, "torch": torch.__version__, "args": vars(args), "tokens_per_step": tokens,
                "targets": {"throughput_vs_bf16": TARGET_SPEEDUP, "max_rel_nll_gap": TARGET_GAP},
