@@ -259,6 +259,9 @@ def test_a_restarted_engine_waits_for_the_served_folder_being_written(ray_sessio
         release.set()
         f.supervisor.wait_all_serving(120)
         assert f.clients[0].model_info()["weight_version"] == "1"
+        # serving (pushes include it) comes before the router registration; the restart is
+        # recorded after that, with its time to routable
+        _wait_for(lambda: bool(f.restart_events()), "the restart's record")
         assert f.restart_events()[-1]["weight_version"] == "1"
         assert records[-1] == [str(folder), "1"] and f.describe()["served"] == [str(folder), "1"]
     finally:
