@@ -345,10 +345,12 @@ class MegatronConfig(Section):
     fuse: bool = Field(True, description="Fused RoPE / RMSNorm / SwiGLU / logprob kernels (torch.compile on "
                                          "GPU, the same math eagerly on CPU); false: megatron's unfused ops.")
     fp8_recipe: Fp8RecipeName = Field(
-        "rowwise", description="precision.train fp8: how the GEMM operands are scaled (core/train/megatron/fp8.py "
-        "RECIPES). rowwise: a scale per token / feature, e4m3 gradients; rowwise-gw-bf16: the weight gradient "
-        "in bf16; tensorwise: one scale per tensor, e5m2 gradients; tensorwise-fast: and fast accumulation in "
-        "the forward GEMM (the fastest measured: 1.03-1.16x bf16 on H100s at the Qwen3-1.7B shape, micro-batch 8); "
+        "tensorwise-fast", description="precision.train fp8: how the GEMM operands are scaled "
+        "(core/train/megatron/fp8.py RECIPES). rowwise: a scale per token / feature, e4m3 gradients (its casts "
+        "are compiled by inductor, not the Triton kernel: never measured faster than bf16); rowwise-gw-bf16: the "
+        "weight gradient in bf16; tensorwise: one scale per tensor, e5m2 gradients; tensorwise-fast (the "
+        "default): and fast accumulation in the forward GEMM (the fastest measured: 1.03-1.16x bf16 on H100s at "
+        "the Qwen3-1.7B shape, micro-batch 8); "
         "tensorwise-fast-delayed: and delayed scaling (amax history 16: no amax pass before each cast); "
         "tensorwise-fast-e4m3: tensorwise-fast with e4m3 gradients (half e5m2's rounding step).")
     fp8_bf16_edge_layers: int = Field(

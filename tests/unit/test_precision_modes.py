@@ -117,7 +117,7 @@ def test_the_fp8_recipe_is_chosen_by_name_and_an_unknown_name_lists_the_known_on
     from milepost.core.config import Fp8RecipeName
     from milepost.core.train.megatron.fp8 import RECIPES
     assert set(RECIPES) == set(get_args(Fp8RecipeName))  # one list of names, two places
-    assert _recipe("precision.train=fp8", "train.backend=megatron").train.megatron.fp8_recipe == "rowwise"
+    assert _recipe("precision.train=fp8", "train.backend=megatron").train.megatron.fp8_recipe == "tensorwise-fast"
     chosen = _recipe("train.backend=megatron", "train.megatron.fp8_recipe=tensorwise-fast-delayed")
     assert RECIPES[chosen.train.megatron.fp8_recipe].amax_history == 16
     with pytest.raises(RecipeError, match=r"train.megatron.fp8_recipe.*'rowwise'.*'tensorwise-fast'"):
